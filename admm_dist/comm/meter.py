@@ -1,0 +1,120 @@
+"""Byte meter: every byte each node sends and receives through the communicator.
+
+Counts are kept per round, per node, per phase (``consensus``: the z-step
+payload; ``telemetry``: the few scalars gathered for the report) and per
+primitive (``isend``, ``irecv``, ``all_reduce``, ``all_gather``). The
+communicator records a point-to-point message at the moment it posts it,
+with the exact size of the buffer; collectives whose wire pattern belongs to
+the backend are recorded with the ring convention (see
+:func:`ring_bytes_per_rank`), which the benchmark checks against the bytes
+that actually crossed the loopback interface.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Dict, Iterable, List, Optional, Tuple
+
+CONSENSUS = "consensus"
+TELEMETRY = "telemetry"
+
+
+@dataclasses.dataclass
+class Count:
+    sent: int = 0
+    recv: int = 0
+    calls: int = 0
+
+    def __iadd__(self, other: "Count") -> "Count":
+        self.sent += other.sent
+        self.recv += other.recv
+        self.calls += other.calls
+        return self
+
+    def as_dict(self) -> Dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+Key = Tuple[int, int, str, str]  # (round, node, phase, primitive)
+
+
+class ByteMeter:
+    """Accumulates byte counts; cheap enough to sit on every message."""
+
+    def __init__(self) -> None:
+        self.round = 0
+        self._counts: Dict[Key, Count] = defaultdict(Count)
+
+    def start_round(self, k: int) -> None:
+        self.round = int(k)
+
+    def add(self, node: int, primitive: str, *, sent: int = 0, recv: int = 0,
+            phase: str = CONSENSUS) -> None:
+        c = self._counts[(self.round, node, phase, primitive)]
+        c.sent += int(sent)
+        c.recv += int(recv)
+        c.calls += 1
+
+    def total(self, *, node: Optional[int] = None, round: Optional[int] = None,
+              phase: Optional[str] = None, primitive: Optional[str] = None) -> Count:
+        """Sum of the counts that match every given field."""
+        out = Count()
+        for (r, n, ph, prim), c in self._counts.items():
+            if ((node is None or n == node) and (round is None or r == round)
+                    and (phase is None or ph == phase)
+                    and (primitive is None or prim == primitive)):
+                out += c
+        return out
+
+    def by_primitive(self, *, node: Optional[int] = None, round: Optional[int] = None,
+                     phase: Optional[str] = None) -> Dict[str, Dict[str, int]]:
+        prims = sorted({k[3] for k in self._counts})
+        out = {p: self.total(node=node, round=round, phase=phase, primitive=p).as_dict()
+               for p in prims}
+        return {p: c for p, c in out.items() if c["calls"]}
+
+    def nodes(self) -> List[int]:
+        return sorted({k[1] for k in self._counts})
+
+    def reset(self) -> None:
+        self._counts.clear()
+
+    def to_records(self) -> List[Dict[str, object]]:
+        """Flat JSON-ready rows, one per (round, node, phase, primitive)."""
+        return [dict(round=r, node=n, phase=ph, primitive=p, **c.as_dict())
+                for (r, n, ph, p), c in sorted(self._counts.items())]
+
+
+def chunk_sizes(numel: int, n: int) -> List[int]:
+    """Split ``numel`` elements into ``n`` near-equal chunks (the first ``numel % n`` get one more)."""
+    base, extra = divmod(numel, n)
+    return [base + (1 if c < extra else 0) for c in range(n)]
+
+
+def chunk_bounds(numel: int, n: int) -> List[Tuple[int, int]]:
+    bounds, start = [], 0
+    for size in chunk_sizes(numel, n):
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def ring_bytes_per_rank(numel: int, n: int, rank: int, itemsize: int = 4) -> int:
+    """Bytes rank ``rank`` sends (and receives) in a ring all-reduce of ``numel`` items.
+
+    Reduce-scatter sends every chunk but ``(rank+1) % n``; all-gather every
+    chunk but ``(rank+2) % n``: ``2(n-1)/n * numel`` items up to chunk rounding.
+    """
+    if n <= 1:
+        return 0
+    sizes = chunk_sizes(numel, n)
+    return itemsize * (2 * numel - sizes[(rank + 1) % n] - sizes[(rank + 2) % n])
+
+
+def allgather_bytes_per_rank(row_bytes: Iterable[int], rank: int) -> Tuple[int, int]:
+    """(sent, received) by ``rank`` in a ring all-gather of per-rank rows."""
+    rows = list(row_bytes)
+    if len(rows) <= 1:
+        return 0, 0
+    own = rows[rank]
+    return own * (len(rows) - 1), sum(rows) - own

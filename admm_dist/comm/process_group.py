@@ -1,0 +1,161 @@
+"""Communicators over a real ``torch.distributed`` process group, one node per rank.
+
+- :class:`CoordinatorCommunicator`: one ``all_reduce`` (sum), then divide by N.
+- :class:`RingCommunicator`: a hand-written bandwidth-optimal ring all-reduce on
+  ``isend``/``irecv`` only: reduce-scatter then all-gather, N-1 steps each, in
+  chunks of about P/N (P need not divide by N). Rank r ends the reduce-scatter
+  owning chunk (r+1) mod N.
+- :class:`GossipCommunicator`: ``tau`` steps; in each, every rank posts an
+  ``irecv`` from and an ``isend`` to each graph neighbour, then mixes with its
+  Metropolis-Hastings row.
+
+Every wait is bounded by the communicator's timeout; a peer that died or
+diverged raises :class:`CommError` instead of hanging.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .base import CommError, Communicator, gossip_combine, ring_accumulate
+from .meter import CONSENSUS, chunk_bounds
+
+
+class ProcessGroupCommunicator(Communicator):
+    """Shared plumbing: metered point-to-point messages and bounded waits."""
+
+    def __init__(self, *, mode: str, timeout: datetime.timedelta,
+                 group: Optional[dist.ProcessGroup] = None, topology: str = "ring",
+                 gossip_steps: int = 1, meter=None) -> None:
+        if not dist.is_initialized():
+            raise CommError("no process group: create one with admm_dist.dist.distributed() first")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        super().__init__(mode=mode, n_nodes=world, nodes=(self.rank,), topology=topology,
+                         gossip_steps=gossip_steps, meter=meter)
+        self.timeout = timeout
+        self._scratch: Optional[torch.Tensor] = None
+
+    # -- metered primitives --------------------------------------------------
+    def _peer(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def _isend(self, t: torch.Tensor, to: int, phase: str = CONSENSUS):
+        self.meter.add(self.rank, "isend", sent=t.numel() * t.element_size(), phase=phase)
+        return dist.isend(t, dst=self._peer(to), group=self.group)
+
+    def _irecv(self, t: torch.Tensor, frm: int, phase: str = CONSENSUS):
+        self.meter.add(self.rank, "irecv", recv=t.numel() * t.element_size(), phase=phase)
+        return dist.irecv(t, src=self._peer(frm), group=self.group)
+
+    def _wait(self, works: Sequence, what: str) -> None:
+        try:
+            for w in works:
+                w.wait(self.timeout)
+        except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with long texts
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CommError(f"rank {self.rank}: {what} failed or timed out after "
+                            f"{self.timeout.total_seconds():.0f}s ({first})") from e
+
+    def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        s = self._scratch
+        if s is None or s.numel() < numel or s.dtype != like.dtype or s.device != like.device:
+            s = self._scratch = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return s[:numel]
+
+    # -- shared operations ----------------------------------------------------
+    def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.dim() != 2 or rows.shape[0] != 1:
+            raise ValueError(f"gather_rows expects [1, k] rows on a rank, got {tuple(rows.shape)}")
+        rows = rows.contiguous()
+        out: List[torch.Tensor] = [torch.empty_like(rows) for _ in range(self.n_nodes)]
+        self._meter_gather(rows.shape[1] * rows.element_size())
+        work = dist.all_gather(out, rows, group=self.group, async_op=True)
+        self._wait([work], "all_gather of telemetry")
+        return torch.cat(out, 0)
+
+    def barrier(self) -> None:
+        self._wait([dist.barrier(group=self.group, async_op=True)], "barrier")
+
+    def close(self) -> None:
+        self._scratch = None
+
+
+class CoordinatorCommunicator(ProcessGroupCommunicator):
+    def __init__(self, **kw) -> None:
+        super().__init__(mode="coordinator", **kw)
+
+    def consensus_(self, vectors: Sequence[torch.Tensor]) -> None:
+        self._check_vectors(vectors)
+        (v,) = vectors
+        if self.n_nodes == 1:
+            return
+        b = self.analytic_bytes(v.numel(), self.rank, v.element_size())
+        self.meter.add(self.rank, "all_reduce", sent=b, recv=b)
+        work = dist.all_reduce(v, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._wait([work], "all_reduce")
+        v.div_(self.n_nodes)
+
+
+class RingCommunicator(ProcessGroupCommunicator):
+    def __init__(self, **kw) -> None:
+        super().__init__(mode="ring", **kw)
+
+    def consensus_(self, vectors: Sequence[torch.Tensor]) -> None:
+        self._check_vectors(vectors)
+        (v,) = vectors
+        n, r = self.n_nodes, self.rank
+        if n == 1:
+            return
+        bounds = chunk_bounds(v.numel(), n)
+        right, left = (r + 1) % n, (r - 1) % n
+        buf = self._buffer(max(hi - lo for lo, hi in bounds), v)
+        # Reduce-scatter: at step s send chunk r-s, receive chunk r-s-1 and add it in.
+        for s in range(n - 1):
+            slo, shi = bounds[(r - s) % n]
+            rlo, rhi = bounds[(r - s - 1) % n]
+            incoming = buf[: rhi - rlo]
+            works = [self._irecv(incoming, left), self._isend(v[slo:shi], right)]
+            self._wait(works, f"ring reduce-scatter step {s}")
+            ring_accumulate(v[rlo:rhi], incoming)
+        lo, hi = bounds[(r + 1) % n]
+        v[lo:hi].div_(n)
+        # All-gather: at step s send chunk r+1-s, receive chunk r-s in place.
+        for s in range(n - 1):
+            slo, shi = bounds[(r + 1 - s) % n]
+            rlo, rhi = bounds[(r - s) % n]
+            works = [self._irecv(v[rlo:rhi], left), self._isend(v[slo:shi], right)]
+            self._wait(works, f"ring all-gather step {s}")
+
+
+class GossipCommunicator(ProcessGroupCommunicator):
+    def __init__(self, **kw) -> None:
+        super().__init__(mode="gossip", **kw)
+        self._inbox: Optional[torch.Tensor] = None
+
+    def consensus_(self, vectors: Sequence[torch.Tensor]) -> None:
+        self._check_vectors(vectors)
+        (v,) = vectors
+        if self.n_nodes == 1:
+            return
+        nbrs = self.neighbours[self.rank]
+        row = self.weights[self.rank]
+        p = v.numel()
+        inbox = self._inbox
+        if inbox is None or inbox.shape != (len(nbrs), p) or inbox.dtype != v.dtype or inbox.device != v.device:
+            inbox = self._inbox = torch.empty(len(nbrs), p, dtype=v.dtype, device=v.device)
+        mixed = self._buffer(p, v)
+        for step in range(self.gossip_steps):
+            works = [self._irecv(inbox[k], j) for k, j in enumerate(nbrs)]
+            works += [self._isend(v, j) for j in nbrs]
+            self._wait(works, f"gossip step {step}")
+            gossip_combine(mixed, v, row[self.rank], [(row[j], inbox[k]) for k, j in enumerate(nbrs)])
+            v.copy_(mixed)
+
+    def close(self) -> None:
+        super().close()
+        self._inbox = None

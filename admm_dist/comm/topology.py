@@ -1,0 +1,103 @@
+"""Gossip graphs and their Metropolis-Hastings mixing weights.
+
+Every graph is undirected, has no self-loops, and is connected for ``n >= 2``:
+
+- ``ring``: i ~ i +- 1 (mod n).
+- ``complete``: every pair.
+- ``expander``: the exponential graph, i ~ i +- 2^k (mod n) for
+  2^k < n. Its degree is O(log n) and its spectral gap stays bounded away from
+  zero as n grows, which is what an expander is used for here.
+- ``grid``: a rows x cols 2-D grid without wrap-around, 4-neighbourhood, where
+  rows is the largest divisor of n not above sqrt(n) (a prime n gives a chain).
+- ``chain``: the path i ~ i + 1.
+
+Weights: W_ij = 1 / (1 + max(d_i, d_j)) on edges, W_ii = 1 - sum_j W_ij.
+W is symmetric and doubly stochastic, so gossip preserves the mean.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Tuple
+
+TOPOLOGIES = ("ring", "complete", "expander", "grid", "chain")
+
+
+def _grid_shape(n: int) -> Tuple[int, int]:
+    rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+    return rows, n // rows
+
+
+def neighbours(topology: str, n: int) -> List[List[int]]:
+    """Sorted neighbour lists of the graph on nodes 0..n-1."""
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {topology!r}: choose one of {', '.join(TOPOLOGIES)}")
+    if n < 1:
+        raise ValueError(f"a graph needs at least one node, got n={n}")
+    edges = set()
+
+    def link(i: int, j: int) -> None:
+        if i != j:
+            edges.add((min(i, j), max(i, j)))
+
+    if topology == "ring":
+        for i in range(n):
+            link(i, (i + 1) % n)
+    elif topology == "complete":
+        for i in range(n):
+            for j in range(i + 1, n):
+                link(i, j)
+    elif topology == "expander":
+        step = 1
+        while step < n:
+            for i in range(n):
+                link(i, (i + step) % n)
+            step *= 2
+    elif topology == "grid":
+        rows, cols = _grid_shape(n)
+        for r in range(rows):
+            for c in range(cols):
+                i = r * cols + c
+                if c + 1 < cols:
+                    link(i, i + 1)
+                if r + 1 < rows:
+                    link(i, i + cols)
+    elif topology == "chain":
+        for i in range(n - 1):
+            link(i, i + 1)
+    nbrs: List[List[int]] = [[] for _ in range(n)]
+    for i, j in sorted(edges):
+        nbrs[i].append(j)
+        nbrs[j].append(i)
+    return [sorted(x) for x in nbrs]
+
+
+def metropolis_weights(nbrs: List[List[int]]) -> List[Dict[int, float]]:
+    """Row i maps each neighbour j (and i itself) to W_ij."""
+    deg = [len(x) for x in nbrs]
+    rows = []
+    for i, ns in enumerate(nbrs):
+        row = {j: 1.0 / (1.0 + max(deg[i], deg[j])) for j in ns}
+        row[i] = 1.0 - sum(row.values())
+        rows.append(row)
+    return rows
+
+
+def mixing_matrix(topology: str, n: int):
+    """The dense n x n mixing matrix (float64), for tests and analysis."""
+    import torch
+
+    W = torch.zeros(n, n, dtype=torch.float64)
+    for i, row in enumerate(metropolis_weights(neighbours(topology, n))):
+        for j, w in row.items():
+            W[i, j] = w
+    return W
+
+
+def is_connected(nbrs: List[List[int]]) -> bool:
+    seen, todo = {0}, [0]
+    while todo:
+        for j in nbrs[todo.pop()]:
+            if j not in seen:
+                seen.add(j)
+                todo.append(j)
+    return len(seen) == len(nbrs)

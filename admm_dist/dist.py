@@ -1,0 +1,170 @@
+"""Process-group set-up and tear-down, in one place.
+
+Everything that reads torchrun's environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) lives here; the rest of the
+package receives a :class:`DistEnv` or a communicator and never looks at the
+environment itself.
+
+- :func:`read_env` turns the environment into a :class:`DistEnv`. A process
+  started without torchrun is a world of size 1.
+- :func:`backend_for` is the single place that maps a device to a backend
+  (``cuda`` -> ``nccl``, ``cpu`` -> ``gloo``).
+- :func:`distributed` is a context manager that binds the device from
+  ``LOCAL_RANK``, creates the default process group with a collective timeout,
+  and always destroys it on the way out, on success and on failure.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+from typing import Iterator, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+
+
+class DistConfigError(ValueError):
+    """The distributed environment is inconsistent; the message says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistEnv:
+    """What torchrun tells a worker about its place in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise DistConfigError(f"WORLD_SIZE={self.world_size}: it must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise DistConfigError(
+                f"RANK={self.rank} is outside [0, WORLD_SIZE={self.world_size}): "
+                "launch with torchrun, which sets both consistently")
+        if self.local_rank < 0:
+            raise DistConfigError(f"LOCAL_RANK={self.local_rank}: it must be >= 0")
+        if self.world_size > 1 and (not self.master_addr or not self.master_port):
+            raise DistConfigError(
+                "WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set: "
+                "launch with torchrun (e.g. torchrun --standalone --nproc_per_node N ...)")
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _int(env: Mapping[str, str], key: str, default: int) -> int:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise DistConfigError(f"{key}={raw!r} is not an integer: unset it or launch with torchrun") from None
+
+
+def read_env(env: Optional[Mapping[str, str]] = None) -> DistEnv:
+    """Read torchrun's variables; without them the process is a world of size 1."""
+    env = os.environ if env is None else env
+    world = _int(env, "WORLD_SIZE", 1)
+    port = env.get("MASTER_PORT")
+    return DistEnv(
+        rank=_int(env, "RANK", 0),
+        world_size=world,
+        local_rank=_int(env, "LOCAL_RANK", 0),
+        master_addr=env.get("MASTER_ADDR") or None,
+        master_port=int(port) if port else None,
+    )
+
+
+def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
+    """``auto`` picks CUDA when present; a CUDA device is bound from LOCAL_RANK."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(requested)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DistConfigError("device 'cuda' requested but CUDA is not available: use --device cpu")
+        n = torch.cuda.device_count()
+        if dev.index is None:
+            if local_rank >= n:
+                raise DistConfigError(
+                    f"LOCAL_RANK={local_rank} but only {n} CUDA device(s) are visible: "
+                    f"use --nproc_per_node <= {n} or --device cpu")
+            dev = torch.device("cuda", local_rank)
+    elif dev.type != "cpu":
+        raise DistConfigError(f"device {requested!r} is not supported: use cpu, cuda or auto")
+    return dev
+
+
+def backend_for(device: torch.device) -> str:
+    """The one place where a device chooses its process-group backend."""
+    try:
+        return BACKENDS[device.type]
+    except KeyError:
+        raise DistConfigError(f"no backend for device type {device.type!r}: use cpu or cuda") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistContext:
+    """A live process group (or a world of one) and the device bound to this rank."""
+
+    env: DistEnv
+    device: torch.device
+    backend: Optional[str]
+    timeout: datetime.timedelta
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+
+@contextlib.contextmanager
+def distributed(device: str = "auto", *, timeout_s: float = 300.0,
+                env: Optional[DistEnv] = None) -> Iterator[DistContext]:
+    """Set up the default process group for this worker and always tear it down.
+
+    ``timeout_s`` bounds every collective and point-to-point wait: a peer that
+    died or diverged makes the others fail with an error instead of hanging.
+    """
+    if timeout_s <= 0:
+        raise DistConfigError(f"timeout_s={timeout_s}: the collective timeout must be > 0 seconds")
+    from_environ = env is None
+    env = read_env() if from_environ else env
+    dev = resolve_device(device, env.local_rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not env.is_distributed:
+        yield DistContext(env=env, device=dev, backend=None, timeout=timeout)
+        return
+    backend = backend_for(dev)
+    if dist.is_initialized():
+        raise DistConfigError("a default process group already exists in this process: "
+                              "call distributed() once per worker")
+    kwargs = {}
+    if dev.type == "cuda":
+        kwargs["device_id"] = dev
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                            # env:// also reuses torchrun's agent store when there is one
+                            init_method="env://" if from_environ
+                            else f"tcp://{env.master_addr}:{env.master_port}",
+                            timeout=timeout, **kwargs)
+    try:
+        yield DistContext(env=env, device=dev, backend=backend, timeout=timeout)
+    finally:
+        # Destroy on success and on failure; a failing peer must not keep us alive.
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
