@@ -21,15 +21,22 @@ import torch
 from .dist import distributed
 
 
-def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, args: tuple) -> Any:
+def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, setup: bool,
+            args: tuple) -> Any:
     torch.set_num_threads(threads)
+    if not setup:
+        return fn(*args)
     with distributed("cpu", timeout_s=timeout_s) as ctx:
         return fn(ctx, *args)
 
 
 def launch_cpu(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 60.0,
-               threads: int = 1, max_restarts: int = 0) -> Dict[int, Any]:
-    """Run ``fn`` on ``nprocs`` gloo ranks; returns {rank: return value}."""
+               threads: int = 1, max_restarts: int = 0, setup: bool = True) -> Dict[int, Any]:
+    """Run ``fn`` on ``nprocs`` gloo ranks; returns {rank: return value}.
+
+    With ``setup=False`` the worker calls ``fn(*args)`` and creates the process
+    group itself (to test :func:`admm_dist.dist.distributed`).
+    """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -38,4 +45,4 @@ def launch_cpu(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"admm-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
         monitor_interval=0.05, start_method="spawn", rdzv_timeout=int(timeout_s) + 30)
-    return elastic_launch(config, _worker)(fn, timeout_s, threads, args)
+    return elastic_launch(config, _worker)(fn, timeout_s, threads, setup, args)

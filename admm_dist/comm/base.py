@@ -88,6 +88,12 @@ class Communicator(abc.ABC):
             return self.gossip_steps * self.degree(node) * numel * itemsize
         return ring_bytes_per_rank(numel, self.n_nodes, node, itemsize)
 
+    def ring_convention(self, numel: int, node: int, itemsize: int = 4) -> dict:
+        """What a ring all-reduce would send from ``node`` and deliver to it (from its left)."""
+        n = self.n_nodes
+        return {"sent": ring_bytes_per_rank(numel, n, node, itemsize),
+                "recv": ring_bytes_per_rank(numel, n, (node - 1) % n, itemsize)}
+
     def _check_vectors(self, vectors: Sequence[torch.Tensor]) -> None:
         if len(vectors) != len(self.nodes):
             raise ValueError(f"consensus_ got {len(vectors)} vectors for {len(self.nodes)} local node(s)")

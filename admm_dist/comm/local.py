@@ -42,8 +42,7 @@ class LocalCommunicator(Communicator):
         total.div_(n)
         for node, v in enumerate(vs):
             v.copy_(total)
-            b = self.analytic_bytes(v.numel(), node, v.element_size())
-            self.meter.add(node, "all_reduce", sent=b, recv=b)
+            self.meter.add(node, "all_reduce", **self.ring_convention(v.numel(), node, v.element_size()))
 
     def _ring(self, vs: Sequence[torch.Tensor]) -> None:
         n = self.n_nodes

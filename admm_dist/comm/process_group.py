@@ -94,8 +94,7 @@ class CoordinatorCommunicator(ProcessGroupCommunicator):
         (v,) = vectors
         if self.n_nodes == 1:
             return
-        b = self.analytic_bytes(v.numel(), self.rank, v.element_size())
-        self.meter.add(self.rank, "all_reduce", sent=b, recv=b)
+        self.meter.add(self.rank, "all_reduce", **self.ring_convention(v.numel(), self.rank, v.element_size()))
         work = dist.all_reduce(v, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._wait([work], "all_reduce")
         v.div_(self.n_nodes)

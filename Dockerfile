@@ -1,0 +1,14 @@
+# CUDA PyTorch base: torch, CUDA and NCCL come from the image; the package adds the rest.
+FROM pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime
+
+WORKDIR /opt/admm_dist
+COPY setup.cfg pyproject.toml README.md ./
+COPY admm_dist ./admm_dist
+COPY launch ./launch
+COPY configs ./configs
+RUN python -m pip install --no-cache-dir -e . \
+ && python -c "import admm_dist, torch; print('torch', torch.__version__)"
+
+ENV OMP_NUM_THREADS=1
+# e.g. docker run --gpus all IMAGE torchrun --standalone --nproc_per_node 4 -m admm_dist.lsq
+CMD ["torchrun", "--standalone", "--nproc_per_node", "1", "-m", "admm_dist.lsq"]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Install admm_dist into the current Python environment.
+#
+#   bash launch/install.sh          # the package
+#   bash launch/install.sh test     # the package and what the tests need
+#
+# torch: on a machine with no NVIDIA GPU the CPU build (torch==2.13.0) is
+# installed first, so that the package's torch range is already satisfied and
+# pip does not pull a multi-GB CUDA build. Set TORCH_SPEC to choose another
+# build (e.g. TORCH_SPEC="torch==2.13.0" plus PIP_INDEX_URL for a CPU index).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+extra=${1:-}
+
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    spec=${TORCH_SPEC:-"torch>=2.4,<2.15"}
+  else
+    spec=${TORCH_SPEC:-"torch==2.13.0"}
+  fi
+  echo "installing $spec"
+  "$PY" -m pip install --quiet "$spec"
+fi
+
+if [ "$extra" = "test" ]; then
+  "$PY" -m pip install --quiet -e ".[test]"
+else
+  "$PY" -m pip install --quiet -e .
+fi
+"$PY" -c "import torch, admm_dist; print('admm_dist ready: torch', torch.__version__, '| cuda', torch.cuda.is_available())"

@@ -1,0 +1,168 @@
+"""Communicators on real gloo process groups (several processes on CPU, every wait bounded)."""
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from admm_dist.comm import (TOPOLOGIES, CommError, LocalCommunicator, make_communicator,
+                            ring_bytes_per_rank)
+from admm_dist.comm.wire import interface_tx_bytes
+from admm_dist.launcher import launch_cpu
+
+P_ODD = 1001  # not divisible by 2, 3 or 4
+
+
+def _vec(seed, p):
+    return torch.randn(p, generator=torch.Generator().manual_seed(1000 + seed))
+
+
+def _all_modes(ctx, p):
+    """One launch: every mode on the same inputs, plus the meter counts."""
+    out = {}
+    specs = [("coordinator", "ring", 1), ("ring", "ring", 1), ("gossip", "complete", 1)]
+    specs += [("gossip", t, 2) for t in TOPOLOGIES]
+    for mode, topo, tau in specs:
+        comm = make_communicator(mode, n_nodes=ctx.world_size, topology=topo,
+                                 gossip_steps=tau, timeout=ctx.timeout)
+        v = _vec(ctx.rank, p)
+        comm.consensus_([v])
+        c = comm.meter.total(node=ctx.rank)
+        out[(mode, topo, tau)] = (v, c.sent, c.recv, comm.degree(ctx.rank))
+        comm.close()
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_and_gossip_complete_equal_all_reduce_and_meter_is_exact(n):
+    res = launch_cpu(_all_modes, n, P_ODD, timeout_s=60)
+    truth = torch.stack([_vec(r, P_ODD) for r in range(n)]).double().mean(0)
+    for r in range(n):
+        ar = res[r][("coordinator", "ring", 1)][0]
+        ring = res[r][("ring", "ring", 1)][0]
+        gos = res[r][("gossip", "complete", 1)][0]
+        for v in (ring, gos):
+            assert (v - ar).norm() / ar.norm() <= 1e-6
+        assert (ar.double() - truth).norm() / truth.norm() <= 1e-6
+        # every rank ends with the same exact mean
+        assert torch.equal(ring, res[0][("ring", "ring", 1)][0])
+
+    for mode, topo, tau in res[0]:
+        # the single-process implementation computes the same values (bit for bit where
+        # the summation order is ours) and the same per-node byte counts
+        local = LocalCommunicator(mode=mode, n_nodes=n, topology=topo, gossip_steps=tau)
+        vs = [_vec(r, P_ODD) for r in range(n)]
+        local.consensus_(vs)
+        for r in range(n):
+            v, sent, recv, deg = res[r][(mode, topo, tau)]
+            if mode == "coordinator":
+                assert (v - vs[r]).norm() / vs[r].norm() <= 1e-6
+            else:
+                assert torch.equal(v, vs[r]), (mode, topo, r)
+            assert (sent, recv) == (local.meter.total(node=r).sent, local.meter.total(node=r).recv)
+            # analytic payloads, exactly
+            if mode == "gossip":
+                assert sent == recv == tau * deg * 4 * P_ODD
+            else:
+                assert sent == ring_bytes_per_rank(P_ODD, n, r)
+                assert recv == ring_bytes_per_rank(P_ODD, n, (r - 1) % n)  # what the left sent
+
+
+def _mixing_curves(ctx, p, rounds):
+    """Disagreement max_i ||v_i - mean|| / ||mean|| after each consensus_ call."""
+    curves = {}
+    mean = torch.stack([_vec(r, p) for r in range(ctx.world_size)]).double().mean(0)
+    for topo in TOPOLOGIES:
+        for tau in (1, 3):
+            comm = make_communicator("gossip", n_nodes=ctx.world_size, topology=topo,
+                                     gossip_steps=tau, timeout=ctx.timeout)
+            v = _vec(ctx.rank, p)
+            curve = []
+            for k in range(rounds + 1):
+                if k:
+                    comm.consensus_([v])
+                err = ((v.double() - mean).norm() / mean.norm()).reshape(1, 1)
+                curve.append(comm.gather_rows(err).max().item())
+            curves[(topo, tau)] = curve
+    return curves
+
+
+def test_gossip_drives_every_topology_to_consensus_faster_with_larger_tau():
+    n, rounds = 5, 6
+    res = launch_cpu(_mixing_curves, n, 257, rounds, timeout_s=60)
+    curves = res[0]
+    floor = 1e-6  # fp32 round-off: the complete graph reaches the mean in one step
+    for topo in TOPOLOGIES:
+        one, three = curves[(topo, 1)], curves[(topo, 3)]
+        assert one[0] == three[0] > 0.5  # the same random start
+        assert all(b < a or b < floor for a, b in zip(one, one[1:])), (topo, one)
+        assert one[-1] < 0.5 * one[0], (topo, one)
+        # tau=3 mixes three times per call: after k calls it is as close as tau=1 after 3k
+        assert all(t <= o * (1 + 1e-6) or t < floor for t, o in zip(three[1:3], one[3:7:3])), topo
+        assert three[-1] < one[-1] or three[-1] < floor, (topo, one, three)
+
+
+def _wire(ctx, p):
+    """Bytes on the loopback wire for one op, read on rank 0 between barriers."""
+    out = {}
+    for mode, topo in (("ring", "ring"), ("gossip", "ring"), ("gossip", "expander"),
+                       ("coordinator", "ring")):
+        comm = make_communicator(mode, n_nodes=ctx.world_size, topology=topo,
+                                 timeout=ctx.timeout)
+        v = _vec(ctx.rank, p)
+        comm.consensus_([v])  # warm-up: connections are set up lazily
+        deltas = []
+        for with_op in (False, True):
+            comm.barrier()
+            before = interface_tx_bytes("lo") if ctx.rank == 0 else 0
+            comm.barrier()
+            if with_op:
+                comm.consensus_([v])
+            comm.barrier()
+            after = interface_tx_bytes("lo") if ctx.rank == 0 else 0
+            comm.barrier()
+            deltas.append(after - before)
+        analytic = sum(comm.analytic_bytes(p, r) for r in range(ctx.world_size))
+        out[(mode, topo)] = (deltas[1] - deltas[0], analytic)
+    return out
+
+
+@pytest.mark.skipif(interface_tx_bytes("lo") is None, reason="no loopback counters in /proc/net/dev")
+def test_metered_bytes_match_the_bytes_on_the_loopback_wire():
+    res = launch_cpu(_wire, 3, 1 << 20, timeout_s=60)[0]  # 4 MiB vectors
+    for key, (wire, analytic) in res.items():
+        assert abs(wire / analytic - 1) <= 0.02, (key, wire, analytic)
+
+
+def _die_or_wait(ctx, p):
+    comm = make_communicator("ring", n_nodes=ctx.world_size, timeout=datetime.timedelta(seconds=5))
+    if ctx.rank == 1:
+        raise SystemExit(3)  # dies before the exchange
+    v = torch.ones(p)
+    try:
+        comm.consensus_([v])
+    except CommError as e:
+        return f"CommError: {e}"
+    return "no error"
+
+
+def test_a_dead_peer_fails_the_exchange_instead_of_hanging():
+    t0 = time.monotonic()
+    with pytest.raises(ChildFailedError):
+        launch_cpu(_die_or_wait, 2, 1000, timeout_s=5)
+    assert time.monotonic() - t0 < 60
+
+
+def test_world_size_must_equal_the_number_of_nodes():
+    res = launch_cpu(_wrong_nodes, 2, timeout_s=30)
+    assert all("torchrun --nproc_per_node 3" in res[r] for r in (0, 1))
+
+
+def _wrong_nodes(ctx):
+    try:
+        make_communicator("ring", n_nodes=3, timeout=ctx.timeout)
+    except ValueError as e:
+        return str(e)
+    return ""
