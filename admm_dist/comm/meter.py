@@ -35,7 +35,7 @@ class Count:
         return dataclasses.asdict(self)
 
 
-Key = Tuple[int, int, str, str]  # (round, node, phase, primitive)
+Key = Tuple[int, str, str]  # (node, phase, primitive), within one round
 
 
 class ByteMeter:
@@ -43,14 +43,14 @@ class ByteMeter:
 
     def __init__(self) -> None:
         self.round = 0
-        self._counts: Dict[Key, Count] = defaultdict(Count)
+        self._rounds: Dict[int, Dict[Key, Count]] = defaultdict(lambda: defaultdict(Count))
 
     def start_round(self, k: int) -> None:
         self.round = int(k)
 
     def add(self, node: int, primitive: str, *, sent: int = 0, recv: int = 0,
             phase: str = CONSENSUS) -> None:
-        c = self._counts[(self.round, node, phase, primitive)]
+        c = self._rounds[self.round][(node, phase, primitive)]
         c.sent += int(sent)
         c.recv += int(recv)
         c.calls += 1
@@ -59,30 +59,32 @@ class ByteMeter:
               phase: Optional[str] = None, primitive: Optional[str] = None) -> Count:
         """Sum of the counts that match every given field."""
         out = Count()
-        for (r, n, ph, prim), c in self._counts.items():
-            if ((node is None or n == node) and (round is None or r == round)
-                    and (phase is None or ph == phase)
-                    and (primitive is None or prim == primitive)):
-                out += c
+        rounds = self._rounds.items() if round is None else [(round, self._rounds.get(round, {}))]
+        for _, counts in rounds:
+            for (n, ph, prim), c in counts.items():
+                if ((node is None or n == node) and (phase is None or ph == phase)
+                        and (primitive is None or prim == primitive)):
+                    out += c
         return out
 
     def by_primitive(self, *, node: Optional[int] = None, round: Optional[int] = None,
                      phase: Optional[str] = None) -> Dict[str, Dict[str, int]]:
-        prims = sorted({k[3] for k in self._counts})
+        prims = sorted({k[2] for counts in self._rounds.values() for k in counts})
         out = {p: self.total(node=node, round=round, phase=phase, primitive=p).as_dict()
                for p in prims}
         return {p: c for p, c in out.items() if c["calls"]}
 
     def nodes(self) -> List[int]:
-        return sorted({k[1] for k in self._counts})
+        return sorted({k[0] for counts in self._rounds.values() for k in counts})
 
     def reset(self) -> None:
-        self._counts.clear()
+        self._rounds.clear()
 
     def to_records(self) -> List[Dict[str, object]]:
         """Flat JSON-ready rows, one per (round, node, phase, primitive)."""
         return [dict(round=r, node=n, phase=ph, primitive=p, **c.as_dict())
-                for (r, n, ph, p), c in sorted(self._counts.items())]
+                for r in sorted(self._rounds)
+                for (n, ph, p), c in sorted(self._rounds[r].items())]
 
 
 def chunk_sizes(numel: int, n: int) -> List[int]:
