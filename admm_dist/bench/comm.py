@@ -3,56 +3,74 @@
 Run::
 
     python -m admm_dist.bench.comm [--json PATH] [--sizes 1,16,90] [--nprocs 2,4]
-                                   [--reps 7] [--quick]
+                                   [--reps 9] [--wire-trials 5] [--methods ...] [--quick]
 
-What is measured, for every world size N (one launch of N gloo CPU ranks, one
-torch thread each, bound to loopback) and every fp32 vector of ``mib`` MiB
-(P = mib * 2^18 elements), side by side in the same processes:
+For every world size N (one launch of N gloo CPU ranks through
+:func:`admm_dist.launcher.launch_cpu`, one torch thread per rank, gloo bound to
+loopback) and every fp32 vector of ``mib`` MiB (P = mib * 2^18 elements), the
+methods below run side by side in the same processes on the same vectors:
 
 - ``ring``: :class:`~admm_dist.comm.RingCommunicator` ``consensus_`` (our
-  reduce-scatter + all-gather on ``isend``/``irecv``, exact mean);
+  reduce-scatter + all-gather on ``isend``/``irecv``; the exact mean);
 - ``all_reduce``: :class:`~admm_dist.comm.CoordinatorCommunicator`
-  ``consensus_``, i.e. torch's built-in ``dist.all_reduce`` (SUM) followed by
-  one in-place division by N (the same exact mean the ring returns);
+  ``consensus_``: torch's built-in ``dist.all_reduce`` (SUM), then one
+  in-place division by N (the same exact mean the ring returns);
 - ``gossip``: :class:`~admm_dist.comm.GossipCommunicator` on the ``ring``
   graph with ``gossip_steps=1`` (each rank exchanges its whole vector with
-  each neighbour once and mixes).
+  each neighbour once and mixes);
+- ``all_reduce_sum``: a reference, not a consensus: the same built-in
+  ``dist.all_reduce`` (SUM) without the division, i.e. the floor set by gloo.
 
 Time. Per (N, size), each method gets one warm-up and then ``--reps`` timed
-repetitions, interleaved rep by rep (ring, all_reduce, gossip, ring, ...) so
-that drift in the machine's load hits all methods alike. Before every
-repetition each rank restores its input vector (untimed) and enters a
-barrier; each rank then times only the ``consensus_`` call with
-``time.perf_counter``. A repetition's time is the maximum over ranks (the
-operation is done when the slowest rank is done); the reported figure is the
-median over repetitions. ``ratio_to_all_reduce`` is a method's median divided
-by the all_reduce median at the same (N, size).
+repetitions, interleaved rep by rep (ring, all_reduce, gossip,
+all_reduce_sum, ring, ...) so that drift in the machine's load hits every
+method alike. Before every repetition each rank restores its input vector
+(untimed) and enters a barrier; each rank then times only the
+``consensus_`` call with ``time.perf_counter``. A repetition's time is the
+maximum over ranks (the operation is done when the slowest rank is done);
+the reported ``median_s`` is the median over repetitions, and
+``ratio_to_all_reduce`` divides it by the ``all_reduce`` median at the same
+(N, size).
 
-Bytes (separate, untimed operations after the timed ones), per rank:
+Bytes, from separate untimed operations after the timed ones, per rank:
 
 - ``meter_bytes_per_rank``: mean over ranks of the bytes the communicator's
-  :class:`~admm_dist.comm.ByteMeter` recorded as sent in phase ``consensus``
-  for one operation (the all_reduce is recorded with the ring convention);
+  :class:`~admm_dist.comm.ByteMeter` recorded as sent, phase ``consensus``,
+  in one operation (the built-in all_reduce is recorded with the ring
+  convention);
 - ``wire_bytes_per_rank``: bytes that crossed the loopback interface, from the
-  kernel's ``lo`` tx counter (:func:`~admm_dist.comm.wire.interface_tx_bytes`),
-  which is machine-wide. The bracket is: barrier, rank 0 reads the counter,
-  barrier, operation, barrier, rank 0 reads again (rank 0 sleeps 20 ms before
-  each read so that trailing barrier messages have landed). The second barrier
-  before the operation keeps a fast rank from sending before rank 0's first
-  read. A baseline bracket with the same barriers and no operation is measured
-  the same way and subtracted. Each bracket is repeated ``--wire-trials``
-  times and the minimum kept (foreign loopback traffic can only add bytes).
-  The result, divided by N, includes TCP/IP headers, ACKs and gloo's message
-  headers.
-- ``analytic_bytes_per_rank``: mean over ranks of the exact payload: the
-  ring all-reduce formula with exact chunk sizes (:func:`ring_bytes_per_rank`,
-  2(N-1)/N * 4P up to chunk rounding) for ``ring`` and ``all_reduce``, and
+  kernel's machine-wide ``lo`` tx counter
+  (:func:`~admm_dist.comm.wire.interface_tx_bytes`), read on rank 0 around one
+  operation: barrier, read, barrier, operation, barrier, read (every read comes
+  20 ms after its barrier so that trailing messages have landed; the second
+  barrier keeps a fast rank from sending before the first read). The same
+  bracket with no operation inside is the baseline (barrier traffic, about
+  1.3 KB at N = 2); its minimum is subtracted and the result divided by N. It
+  includes TCP/IP headers, ACKs, gloo's message headers and TCP
+  retransmissions.
+- TCP retransmissions. Loopback TCP retransmits here (spuriously: reordering,
+  SACK/DSACK, tail-loss probes) when the cores are oversubscribed and a
+  receiving thread is descheduled; those bytes are on the wire but are not
+  payload. Each rank also reads, around the same brackets, the bytes its own
+  TCP sockets sent and retransmitted (``getsockopt(TCP_INFO)``, immune to other
+  processes' traffic): ``tcp_retrans_bytes_per_rank`` (mean over ranks),
+  ``wire_net_bytes_per_rank`` = wire minus that, and
+  ``tcp_payload_bytes_per_rank``: payload sent once (gloo's headers included,
+  IP/TCP headers not), baseline subtracted. At least ``--wire-trials``
+  brackets are measured, and more (up to 4x as many) while every one had
+  retransmissions; the kept bracket is the one with the fewest loopback bytes
+  among those without retransmissions, or among all if none is clean.
+  ``wire_trials_*`` and ``tcp_trials_retrans_bytes`` hold every bracket.
+- ``analytic_bytes_per_rank``: mean over ranks of the exact payload: the ring
+  all-reduce formula with exact chunk sizes
+  (:func:`~admm_dist.comm.ring_bytes_per_rank`, 2(N-1)/N * 4P up to chunk
+  rounding) for ``ring``, ``all_reduce`` and ``all_reduce_sum``, and
   ``tau * degree_i * 4P`` for ``gossip``.
 
-Load. The 1-minute load average is printed before and after, and the CPU
-time other processes used during the run is estimated as the machine's busy
-time (``/proc/stat``) minus this process's and its children's CPU time
-(approximate: time spent in interrupts may be charged to either side).
+Load. The load average is printed before and after, and for each launch the
+mean number of cores used by other processes is estimated as the machine's
+task CPU time (user + nice + system in ``/proc/stat``) minus the CPU time of
+this process and its ranks, over the wall time.
 """
 from __future__ import annotations
 
@@ -60,22 +78,25 @@ import argparse
 import datetime
 import os
 import resource
+import socket
 import statistics
+import struct
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-METHODS = ("ring", "all_reduce", "gossip")
+METHODS = ("ring", "all_reduce", "gossip", "all_reduce_sum")
 DEFAULT_SIZES = (1.0, 16.0, 90.0)
 DEFAULT_NPROCS = (2, 4)
-DEFAULT_REPS = 7
+DEFAULT_REPS = 15
 QUICK_SIZES = (1.0, 16.0)
 QUICK_REPS = 3
 COLLECTIVE_TIMEOUT_S = 600.0
 READ_SETTLE_S = 0.02
+WIRE_TRIALS_CAP_FACTOR = 4
 IFACE = "lo"
 
 
@@ -83,37 +104,92 @@ def numel_for(mib: float) -> int:
     return int(round(mib * (1 << 20) / 4))
 
 
-def _make_comms(timeout: datetime.timedelta):
+def _make_comms(timeout: datetime.timedelta, methods: Sequence[str]):
     from ..comm import ByteMeter, CoordinatorCommunicator, GossipCommunicator, RingCommunicator
 
-    return {
-        "ring": RingCommunicator(timeout=timeout, meter=ByteMeter()),
-        "all_reduce": CoordinatorCommunicator(timeout=timeout, meter=ByteMeter()),
-        "gossip": GossipCommunicator(timeout=timeout, topology="ring", gossip_steps=1,
-                                     meter=ByteMeter()),
+    class SumOnly(CoordinatorCommunicator):
+        """Reference only: gloo's all_reduce (SUM) without the division (not a consensus)."""
+
+        def consensus_(self, vectors):
+            (v,) = vectors
+            self.meter.add(self.rank, "all_reduce",
+                           **self.ring_convention(v.numel(), self.rank, v.element_size()))
+            self._wait([dist.all_reduce(v, op=dist.ReduceOp.SUM, group=self.group, async_op=True)],
+                       "all_reduce")
+
+    make = {
+        "ring": lambda: RingCommunicator(timeout=timeout, meter=ByteMeter()),
+        "all_reduce": lambda: CoordinatorCommunicator(timeout=timeout, meter=ByteMeter()),
+        "gossip": lambda: GossipCommunicator(timeout=timeout, topology="ring", gossip_steps=1,
+                                             meter=ByteMeter()),
+        "all_reduce_sum": lambda: SumOnly(timeout=timeout, meter=ByteMeter()),
     }
+    return {m: make[m]() for m in methods}
 
 
-def _wire_bracket(comm, rank: int, op) -> Optional[int]:
-    """Loopback tx bytes (machine-wide, read on rank 0) across barrier|barrier op barrier."""
+_TCP_INFO_BYTES_SENT = 200  # struct tcp_info: __u64 tcpi_bytes_sent, then __u64 tcpi_bytes_retrans
+
+
+def tcp_socket_bytes() -> Optional[Tuple[int, int]]:
+    """(bytes sent, bytes retransmitted) summed over this process's TCP sockets, or None.
+
+    Read with ``getsockopt(TCP_INFO)`` on a duplicate of every socket descriptor
+    in ``/proc/self/fd`` (Linux 4.19+). ``bytes sent`` counts TCP payload, gloo's
+    message headers included and retransmissions included; no IP/TCP headers.
+    """
+    if not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    sent = retrans = 0
+    for name in names:
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):
+            continue
+        try:
+            if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+                continue
+            info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+            if len(info) < _TCP_INFO_BYTES_SENT + 16:
+                return None  # kernel too old to report bytes_sent / bytes_retrans
+            a, b = struct.unpack_from("QQ", info, _TCP_INFO_BYTES_SENT)
+            sent, retrans = sent + a, retrans + b
+        except OSError:
+            continue
+        finally:
+            s.close()  # closes the duplicate only
+    return sent, retrans
+
+
+def _wire_bracket(comm, rank: int, op) -> Tuple[Optional[int], Optional[Tuple[int, int]]]:
+    """Counters across barrier | barrier op barrier.
+
+    Returns (loopback tx bytes of the machine, read on rank 0; None elsewhere,
+    (bytes sent, bytes retransmitted) by this rank's TCP sockets). Every rank
+    waits READ_SETTLE_S before each read so that trailing messages (barrier
+    replies, late retransmissions) have landed.
+    """
     from ..comm.wire import interface_tx_bytes
 
     comm.barrier()
-    before = None
-    if rank == 0:
-        time.sleep(READ_SETTLE_S)
-        before = interface_tx_bytes(IFACE)
+    time.sleep(READ_SETTLE_S)
+    lo0 = interface_tx_bytes(IFACE) if rank == 0 else None
+    sock0 = tcp_socket_bytes()
     comm.barrier()
     if op is not None:
         op()
     comm.barrier()
-    if rank == 0:
-        time.sleep(READ_SETTLE_S)
-        after = interface_tx_bytes(IFACE)
-        if before is None or after is None:
-            return None
-        return after - before
-    return None
+    time.sleep(READ_SETTLE_S)
+    lo1 = interface_tx_bytes(IFACE) if rank == 0 else None
+    sock1 = tcp_socket_bytes()
+    lo = None if lo0 is None or lo1 is None else lo1 - lo0
+    sock = None if sock0 is None or sock1 is None else (sock1[0] - sock0[0], sock1[1] - sock0[1])
+    return lo, sock
 
 
 def _rank_main(ctx, sizes: Sequence[float], methods: Sequence[str], warmup: int, reps: int,
@@ -129,7 +205,7 @@ def _rank_main(ctx, sizes: Sequence[float], methods: Sequence[str], warmup: int,
         gen = torch.Generator().manual_seed(1000 + rank)
         src = torch.randn(p, generator=gen)
         v = torch.empty_like(src)
-        comms = _make_comms(timeout)
+        comms = _make_comms(timeout, methods)
         times: Dict[str, List[float]] = {m: [] for m in methods}
         for rep in range(warmup + reps):
             for m in methods:
@@ -151,12 +227,23 @@ def _rank_main(ctx, sizes: Sequence[float], methods: Sequence[str], warmup: int,
             c.consensus_([v])
             meter_sent = c.meter.total(node=rank, phase=CONSENSUS).sent
             analytic = c.analytic_bytes(p, rank, v.element_size())
-            # Wire: min over trials of the op bracket and of the empty bracket.
+            # Wire: brackets around one operation, and empty brackets (the baseline). At least
+            # ``wire_trials`` of each; more (up to WIRE_TRIALS_CAP_FACTOR times as many) while
+            # every operation bracket had TCP retransmissions, so that a clean one is likely.
             op_deltas, base_deltas = [], []
-            for _ in range(wire_trials):
+            clean = False
+            while True:
                 base_deltas.append(_wire_bracket(c, rank, None))
                 v.copy_(src)
                 op_deltas.append(_wire_bracket(c, rank, lambda: c.consensus_([v])))
+                sock = op_deltas[-1][1]
+                # [retransmitted bytes, ranks that cannot tell], summed over ranks
+                rtx = torch.tensor([0, 1] if sock is None else [sock[1], 0], dtype=torch.int64)
+                dist.all_reduce(rtx, op=dist.ReduceOp.SUM)
+                clean = clean or rtx[0].item() == 0 or rtx[1].item() > 0
+                k = len(op_deltas)
+                if k >= wire_trials * WIRE_TRIALS_CAP_FACTOR or (k >= wire_trials and clean):
+                    break
             per_size[m] = {"times_s": times[m], "meter_sent": meter_sent, "analytic": analytic,
                            "wire_op": op_deltas, "wire_base": base_deltas}
         for c in comms.values():
@@ -167,25 +254,67 @@ def _rank_main(ctx, sizes: Sequence[float], methods: Sequence[str], warmup: int,
     return out
 
 
+def _wire_fields(per_rank: Sequence[Dict[str, object]], n: int, analytic: float) -> Dict[str, object]:
+    """Pick the kept wire bracket and turn the raw counters into per-rank figures."""
+    trials = len(per_rank[0]["wire_op"])
+    lo_op = [per_rank[0]["wire_op"][i][0] for i in range(trials)]
+    lo_base = [per_rank[0]["wire_base"][i][0] for i in range(trials)]
+    sock_op = [[pr["wire_op"][i][1] for pr in per_rank] for i in range(trials)]
+    sock_base = [[pr["wire_base"][i][1] for pr in per_rank] for i in range(trials)]
+    have_sock = all(x is not None for t in sock_op + sock_base for x in t)
+    # bytes sent and retransmitted by all ranks' sockets, per trial
+    sent = [sum(x[0] for x in t) for t in sock_op] if have_sock else None
+    rtx = [sum(x[1] for x in t) for t in sock_op] if have_sock else None
+    out: Dict[str, object] = {"wire_bytes_per_rank": None, "wire_over_analytic": None,
+                              "tcp_retrans_bytes_per_rank": None, "wire_net_bytes_per_rank": None,
+                              "tcp_payload_bytes_per_rank": None, "wire_trials": trials}
+    idx = list(range(trials))
+    if have_sock:
+        idx = [i for i in idx if rtx[i] == 0] or idx  # brackets without retransmissions, if any
+    if all(x is not None for x in lo_op + lo_base):
+        best = min(idx, key=lambda i: lo_op[i])
+        wire = (lo_op[best] - min(lo_base)) / n
+        out.update(wire_bytes_per_rank=wire, wire_over_analytic=wire / analytic if analytic else None,
+                   wire_trials_op_bytes=lo_op, wire_trials_baseline_bytes=lo_base)
+    else:
+        best = min(idx, key=lambda i: sent[i]) if have_sock else None
+    if have_sock and best is not None:
+        base_sent = min(sum(x[0] for x in t) for t in sock_base)
+        out.update(tcp_retrans_bytes_per_rank=rtx[best] / n,
+                   tcp_payload_bytes_per_rank=(sent[best] - rtx[best] - base_sent) / n,
+                   tcp_trials_retrans_bytes=rtx)
+        if out["wire_bytes_per_rank"] is not None:
+            out["wire_net_bytes_per_rank"] = out["wire_bytes_per_rank"] - rtx[best] / n
+    return out
+
+
 class _CpuClock:
-    """Machine busy time (from /proc/stat) and our own CPU time (self + waited-for children)."""
+    """CPU time of all tasks on the machine (``/proc/stat``) and our own (self + waited-for children)."""
 
     @staticmethod
     def machine_busy_s() -> Optional[float]:
+        """user + nice + system of every CPU; interrupt, softirq and steal time are left out."""
         try:
             with open("/proc/stat") as fh:
                 fields = fh.readline().split()
-        except OSError:
+            user, nice, system = (int(x) for x in fields[1:4])
+        except (OSError, ValueError):
             return None
-        vals = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
-        busy = sum(vals) - vals[3] - vals[4]
-        return busy / os.sysconf("SC_CLK_TCK")
+        return (user + nice + system) / os.sysconf("SC_CLK_TCK")
 
     @staticmethod
     def own_s() -> float:
         s = resource.getrusage(resource.RUSAGE_SELF)
         c = resource.getrusage(resource.RUSAGE_CHILDREN)
         return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+def _other_cores(busy0: Optional[float], busy1: Optional[float], own_s: float,
+                 wall_s: float) -> Optional[float]:
+    """Mean number of cores that processes other than ours kept busy over ``wall_s``."""
+    if busy0 is None or busy1 is None or wall_s <= 0:
+        return None
+    return max(0.0, (busy1 - busy0) - own_s) / wall_s
 
 
 def _loadavg() -> Optional[float]:
@@ -196,7 +325,7 @@ def _loadavg() -> Optional[float]:
 
 
 def run(sizes: Sequence[float], nprocs: Sequence[int], reps: int, *, warmup: int = 1,
-        wire_trials: int = 3, methods: Sequence[str] = METHODS,
+        wire_trials: int = 5, methods: Sequence[str] = METHODS,
         log=print) -> Dict[str, object]:
     """Run the benchmark; returns {"records": [...], "load": {...}}."""
     from ..launcher import launch_cpu
@@ -209,38 +338,33 @@ def run(sizes: Sequence[float], nprocs: Sequence[int], reps: int, *, warmup: int
     for n in nprocs:
         if n < 2:
             raise ValueError(f"nprocs={n}: a communication benchmark needs at least 2 ranks")
-        t = time.perf_counter()
+        t, b, o = time.perf_counter(), _CpuClock.machine_busy_s(), _CpuClock.own_s()
         res = launch_cpu(_rank_main, n, list(sizes), list(methods), warmup, reps, wire_trials,
                          timeout_s=COLLECTIVE_TIMEOUT_S)
-        log(f"# N={n}: launch done in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        dt = time.perf_counter() - t
+        other_n = _other_cores(b, _CpuClock.machine_busy_s(), _CpuClock.own_s() - o, dt)
+        log(f"# N={n}: done in {dt:.1f} s; other processes used about "
+            f"{'n/a' if other_n is None else format(other_n, '.2f')} cores meanwhile")
         ranks = [res[r] for r in range(n)]
         for mib in sizes:
             for m in methods:
                 per_rank = [rk["sizes"][mib][m] for rk in ranks]
                 times = [max(pr["times_s"][i] for pr in per_rank) for i in range(reps)]
-                wire_op = per_rank[0]["wire_op"]
-                wire_base = per_rank[0]["wire_base"]
-                wire = None
-                if all(x is not None for x in wire_op + wire_base):
-                    wire = (min(wire_op) - min(wire_base)) / n
                 analytic = statistics.fmean(pr["analytic"] for pr in per_rank)
                 records.append({
                     "n": n, "mib": mib, "method": m, "numel": numel_for(mib),
                     "median_s": statistics.median(times), "times_s": times,
                     "meter_bytes_per_rank": statistics.fmean(pr["meter_sent"] for pr in per_rank),
-                    "wire_bytes_per_rank": wire,
                     "analytic_bytes_per_rank": analytic,
-                    "wire_over_analytic": (wire / analytic) if wire is not None and analytic else None,
-                    "wire_trials_op": wire_op, "wire_trials_baseline": wire_base,
+                    **_wire_fields(per_rank, n, analytic),
                     "reps": reps, "warmup": warmup, "threads_per_rank": ranks[0]["threads"],
+                    "other_processes_cores_during_launch": other_n,
                 })
     wall = time.perf_counter() - wall0
     busy1, own1 = _CpuClock.machine_busy_s(), _CpuClock.own_s()
-    other = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own1 - own0))
+    other = _other_cores(busy0, busy1, own1 - own0, wall)
     load = {"loadavg_1min_before": load_before, "loadavg_1min_after": _loadavg(),
-            "wall_s": wall, "cpu_cores": os.cpu_count(),
-            "other_processes_cpu_s": other,
-            "other_processes_cores": (other / wall) if other is not None and wall > 0 else None}
+            "wall_s": wall, "cpu_cores": os.cpu_count(), "other_processes_cores": other}
     for rec in records:
         base = next(r for r in records if r["n"] == rec["n"] and r["mib"] == rec["mib"]
                     and r["method"] == "all_reduce") if "all_reduce" in methods else None
@@ -255,19 +379,29 @@ def _fmt_bytes(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{x:,.0f}"
 
 
+def _fmt_ratio(num: Optional[float], den: Optional[float], digits: int = 4) -> str:
+    return "n/a" if num is None or not den else format(num / den, f".{digits}f")
+
+
 def format_table(records: Sequence[Dict[str, object]]) -> str:
-    head = (f"{'n':>2} {'MiB':>5} {'method':<10} {'median s':>9} {'/all_red':>8} "
-            f"{'meter B/rank':>13} {'wire B/rank':>13} {'analytic B/rank':>15} {'wire/an':>8}")
+    """One row per (n, MiB, method); byte columns are per rank, ratios are to the analytic payload."""
+    head = (f"{'n':>2} {'MiB':>5} {'method':<14} {'median s':>9} {'/all_red':>8} "
+            f"{'meter B/rank':>13} {'wire B/rank':>13} {'analytic B/rank':>15} {'wire/an':>7} "
+            f"{'rtx B/rank':>10} {'net/an':>7} {'tcp/an':>7}")
     lines = [head, "-" * len(head)]
     for r in records:
-        ratio = r.get("ratio_to_all_reduce")
-        woa = r.get("wire_over_analytic")
+        an = r["analytic_bytes_per_rank"]
+        rtx = r.get("tcp_retrans_bytes_per_rank")
         lines.append(
-            f"{r['n']:>2} {r['mib']:>5g} {r['method']:<10} {r['median_s']:>9.4f} "
-            f"{'n/a' if ratio is None else format(ratio, '.3f'):>8} "
+            f"{r['n']:>2} {r['mib']:>5g} {r['method']:<14} {r['median_s']:>9.4f} "
+            f"{_fmt_ratio(r.get('ratio_to_all_reduce'), 1.0, 3):>8} "
             f"{_fmt_bytes(r['meter_bytes_per_rank']):>13} {_fmt_bytes(r['wire_bytes_per_rank']):>13} "
-            f"{_fmt_bytes(r['analytic_bytes_per_rank']):>15} "
-            f"{'n/a' if woa is None else format(woa, '.4f'):>8}")
+            f"{_fmt_bytes(an):>15} {_fmt_ratio(r['wire_bytes_per_rank'], an):>7} "
+            f"{_fmt_bytes(rtx):>10} {_fmt_ratio(r.get('wire_net_bytes_per_rank'), an):>7} "
+            f"{_fmt_ratio(r.get('tcp_payload_bytes_per_rank'), an):>7}")
+    lines.append("wire = loopback tx bytes (headers, ACKs, retransmissions included); rtx = bytes our "
+                 "sockets retransmitted in that bracket; net = wire - rtx; tcp = payload our sockets "
+                 "sent, retransmissions excluded")
     return "\n".join(lines)
 
 
@@ -288,33 +422,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="world sizes, comma-separated (default 2,4)")
     ap.add_argument("--reps", type=int, default=None,
                     help=f"timed repetitions per method after one warm-up (default {DEFAULT_REPS}; --quick {QUICK_REPS})")
-    ap.add_argument("--wire-trials", type=int, default=3,
-                    help="brackets per wire-byte measurement; the minimum is kept (default 3)")
+    ap.add_argument("--wire-trials", type=int, default=5,
+                    help="wire-byte brackets per method and size, at least (default 5; up to 4x as "
+                         "many while all of them saw TCP retransmissions)")
+    ap.add_argument("--methods", type=lambda t: [m.strip() for m in t.split(",") if m.strip()],
+                    default=list(METHODS), help=f"methods to time (default {','.join(METHODS)})")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 and 16 MiB, 3 reps")
     args = ap.parse_args(argv)
     sizes = args.sizes or list(QUICK_SIZES if args.quick else DEFAULT_SIZES)
     reps = args.reps if args.reps is not None else (QUICK_REPS if args.quick else DEFAULT_REPS)
     if args.wire_trials < 1:
         ap.error("--wire-trials must be >= 1")
+    if reps < 1:
+        ap.error("--reps must be >= 1")
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown or not args.methods:
+        ap.error(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
 
     print(f"# consensus comm benchmark: sizes {sizes} MiB fp32, N in {args.nprocs}, "
-          f"{reps} reps + 1 warm-up, methods {', '.join(METHODS)}; torch {torch.__version__}, "
+          f"{reps} reps + 1 warm-up, methods {', '.join(args.methods)}; torch {torch.__version__}, "
           f"gloo on {IFACE}, 1 thread/rank", flush=True)
     print(f"# load average (1/5/15 min) before: {_load_str()}", flush=True)
-    out = run(sizes, args.nprocs, reps, wire_trials=args.wire_trials,
-              log=lambda *a, **k: print(*a, **{**k, "flush": True}))
+    out = run(sizes, args.nprocs, reps, wire_trials=args.wire_trials, methods=args.methods,
+              log=lambda *a: print(*a, flush=True))
     records, load = out["records"], out["load"]
     print(format_table(records))
     other = load["other_processes_cores"]
     print(f"# load average (1/5/15 min) after: {_load_str()}")
     print(f"# wall {load['wall_s']:.1f} s on {load['cpu_cores']} cores; other processes used about "
           f"{'n/a' if other is None else format(other, '.2f')} cores on average during the run")
-    for n in args.nprocs:
-        for mib in sizes:
-            r = next((x for x in records if x["n"] == n and x["mib"] == mib and x["method"] == "ring"), None)
-            if r is not None and r["ratio_to_all_reduce"] is not None:
-                print(f"# N={n} {mib:g} MiB: ring/all_reduce = {r['ratio_to_all_reduce']:.3f} "
-                      f"(ring times {', '.join(format(t, '.4f') for t in r['times_s'])})")
+    for r in records:
+        print(f"# N={r['n']} {r['mib']:g} MiB {r['method']}: times "
+              f"{' '.join(format(t, '.4f') for t in r['times_s'])}")
     if args.json:
         from ..io import atomic_write_json
 
