@@ -1,0 +1,198 @@
+"""Configuration: dataclass defaults, then a YAML file, then command-line overrides.
+
+Overrides take either form, and may be mixed:
+
+    --rho 0.1 --local_only          # the seed's flag style (a bare flag sets a bool to true)
+    rho=0.1 local_only=true         # key=value
+
+Keys are the dataclass's field names (the seed's flag names). Unknown keys,
+in the YAML file or on the command line, are rejected with the closest valid
+name; values are converted to the field's type, and the dataclass's
+``__post_init__`` says how to fix a bad value. :func:`to_yaml_dict` gives the
+resolved configuration that rank 0 writes next to the outputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names the fix."""
+
+
+def _fields(cls) -> Dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _unknown(key: str, known: Sequence[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown key {key!r} in {where}{hint}: valid keys are listed by --help")
+
+
+def _parse_bool(key: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    s = str(raw).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key}={raw!r} is not a boolean: use true or false")
+
+
+def coerce(key: str, tp: Any, raw: Any) -> Any:
+    """Convert ``raw`` (a YAML value or a command-line string) to the field type ``tp``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union:  # Optional[X]
+        inner = [a for a in args if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("none", "null", "")):
+            return None
+        return coerce(key, inner[0], raw)
+    if origin is typing.Literal:
+        choices = args
+        value = raw if not isinstance(raw, str) else raw.strip()
+        for c in choices:
+            if value == c or str(value) == str(c):
+                return c
+        raise ConfigError(f"{key}={raw!r} is not one of {', '.join(map(str, choices))}")
+    if tp is bool:
+        return _parse_bool(key, raw)
+    if tp is int:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{key}={raw!r} must be an integer")
+        try:
+            return int(raw) if not isinstance(raw, float) or raw.is_integer() else _bad_int(key, raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={raw!r} must be an integer") from None
+    if tp is float:
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={raw!r} must be a number") from None
+    if tp is str:
+        if isinstance(raw, (dict, list)):
+            raise ConfigError(f"{key} must be a string, got {type(raw).__name__}")
+        return str(raw)
+    if origin in (list, tuple, List, Tuple):
+        if isinstance(raw, str):
+            raw = [x for x in raw.split(",") if x.strip()]
+        inner = args[0] if args else str
+        return [coerce(key, inner, x) for x in raw]
+    return raw
+
+
+def _bad_int(key: str, raw: Any) -> int:
+    raise ConfigError(f"{key}={raw!r} must be an integer")
+
+
+def parse_overrides(argv: Sequence[str], cls) -> Dict[str, Any]:
+    """``--key value``, ``--flag`` (bool true), ``--key=value`` and ``key=value`` -> {key: raw}."""
+    fields = _fields(cls)
+    hints = typing.get_type_hints(cls)
+    out: Dict[str, Any] = {}
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        tok = argv[i]
+        if tok.startswith("--"):
+            body = tok[2:]
+            if "=" in body:
+                key, raw = body.split("=", 1)
+            else:
+                key = body
+                if key not in fields:
+                    raise _unknown(key, fields, "the command line")
+                is_bool = hints[key] is bool
+                nxt = argv[i + 1] if i + 1 < len(argv) else None
+                if is_bool and (nxt is None or nxt.startswith("--") or "=" in nxt
+                                or nxt.lower() not in ("true", "false", "1", "0", "yes", "no")):
+                    raw = True
+                else:
+                    if nxt is None:
+                        raise ConfigError(f"--{key} needs a value")
+                    raw = nxt
+                    i += 1
+        elif "=" in tok:
+            key, raw = tok.split("=", 1)
+        else:
+            raise ConfigError(f"cannot read {tok!r}: write overrides as --key value or key=value")
+        key = key.replace("-", "_")
+        if key not in fields:
+            raise _unknown(key, fields, "the command line")
+        out[key] = raw
+        i += 1
+    return out
+
+
+def load_yaml(path: str) -> Dict[str, Any]:
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {path} does not exist: check the --config path")
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of key: value, got {type(data).__name__}")
+    return data
+
+
+def build(cls: Type[T], *layers: Tuple[str, Mapping[str, Any]]) -> T:
+    """Apply (source name, {key: raw}) layers over the dataclass defaults."""
+    fields = _fields(cls)
+    hints = typing.get_type_hints(cls)
+    values: Dict[str, Any] = {}
+    for where, layer in layers:
+        for key, raw in layer.items():
+            if key not in fields:
+                raise _unknown(key, fields, where)
+            values[key] = coerce(key, hints[key], raw)
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+
+
+def load(cls: Type[T], argv: Sequence[str]) -> T:
+    """``[--config FILE] [overrides...]`` -> a validated config."""
+    argv = list(argv)
+    path: Optional[str] = None
+    rest: List[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a YAML file path")
+            path = argv[i + 1]
+            i += 2
+        elif argv[i].startswith("--config="):
+            path = argv[i].split("=", 1)[1]
+            i += 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    layers = []
+    if path:
+        layers.append((path, load_yaml(path)))
+    layers.append(("the command line", parse_overrides(rest, cls)))
+    return build(cls, *layers)
+
+
+def to_yaml_dict(cfg: Any) -> Dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_yaml_dict(cfg), sort_keys=False)

@@ -1,0 +1,172 @@
+"""The training run's configuration: one flat dataclass keyed by the seed's flag names.
+
+Defaults are the paper's safety settings (Table A2): rho 0.03, 16 local Adam
+steps, lr 1e-3, clip 0.01, batch 8, beta_DPO = beta_KL = 0.1, rank-16 LoRA on
+all seven projections of all 36 layers, B only. A YAML file in ``configs/``
+overrides them, and the command line overrides the file
+(:mod:`admm_dist.config`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from typing import Any, Dict, Optional
+
+from .comm import MODES, TOPOLOGIES
+
+ROLES = ("Planner", "Critic", "Refiner", "Judger")
+
+# Keys that do not change what is computed: a checkpoint or a fit set made under
+# other values of these is still valid.
+NON_SEMANTIC = frozenset({
+    "out", "report_dir", "quiet", "resume", "checkpoint_every", "keep_checkpoints",
+    "k_outer", "timeout_s", "export_peft", "dry_run", "backend", "device", "dev_every",
+    "fault_at",
+})
+
+
+def _choice(name: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: choose one of {', '.join(map(str, choices))}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    # system
+    task: str = "fitset"
+    model_name: str = "Qwen/Qwen3-8B"
+    device: str = "auto"
+    seed: int = 42
+    n_agents: int = 4
+    adapt_roles: str = "all"
+    backend: str = "auto"           # auto | process_group | local
+    timeout_s: float = 600.0        # bound on every collective
+
+    # data
+    fitset_cache: Optional[str] = None
+    fit_filter: str = "drop_unclosed_think"
+    dedup_targets: int = 3
+    dev_frac: float = 0.0
+    dev_every: int = 1
+    partition: str = "seat"
+    n_partitions: int = 0
+    pooled: bool = False
+    dry_run: bool = False
+    init_state: Optional[str] = None
+
+    # objective
+    fit_mode: str = "dpo"
+    dpo_beta: float = 0.1
+    kl_beta: float = 0.1
+    kl_ref: str = "frozen"
+    no_role_balance: bool = False
+    target_span: str = "full"
+    max_target_tokens: int = 4096
+    max_prompt_tokens: int = 8192
+    no_grad_checkpointing: bool = False
+
+    # adapter
+    lora_rank: int = 16
+    lora_alpha: float = 16.0
+    lora_layers_last: int = 36
+    lora_targets: str = "attn_mlp"
+    lora_basis_seed: Optional[int] = None
+
+    # ADMM
+    k_outer: int = 20
+    local_steps: int = 16
+    batch_size: int = 8
+    eta: float = 1e-3
+    rho: float = 0.03
+    grad_clip: float = 0.01
+    consensus: str = "ring"
+    topology: str = "ring"
+    gossip_steps: int = 1
+    local_only: bool = False
+    no_dual: bool = False
+
+    # outputs and fault tolerance
+    out: str = "runs/admm"
+    report_dir: str = "results"
+    quiet: bool = False
+    checkpoint_every: int = 1
+    keep_checkpoints: int = 3
+    resume: str = "never"           # never | auto
+    export_peft: bool = False
+    fault_at: Optional[str] = None  # test-only: "ROUND:RANK" kills that rank after ROUND's checkpoint
+
+    def __post_init__(self) -> None:
+        _choice("adapt_roles", self.adapt_roles, ("all", "nonsink", "middle"))
+        _choice("backend", self.backend, ("auto", "process_group", "local"))
+        _choice("fit_filter", self.fit_filter, ("none", "drop_unclosed_think"))
+        _choice("partition", self.partition, ("seat", "anchor"))
+        _choice("fit_mode", self.fit_mode, ("dpo", "sft", "rsft"))
+        _choice("kl_ref", self.kl_ref, ("frozen", "collect"))
+        _choice("target_span", self.target_span, ("full", "visible"))
+        _choice("lora_targets", self.lora_targets, ("attn_qv", "attn_all", "attn_mlp"))
+        _choice("consensus", self.consensus, MODES)
+        _choice("topology", self.topology, TOPOLOGIES)
+        _choice("resume", self.resume, ("never", "auto"))
+        positive = ("n_agents", "k_outer", "local_steps", "batch_size", "lora_rank",
+                    "lora_layers_last", "max_target_tokens", "max_prompt_tokens", "dev_every",
+                    "checkpoint_every", "keep_checkpoints", "gossip_steps")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: it must be >= 1")
+        for name in ("eta", "grad_clip", "lora_alpha", "timeout_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name}={v}: it must be a finite number > 0")
+        for name in ("dpo_beta", "kl_beta", "rho"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name}={v}: it must be a finite number >= 0")
+        if self.rho == 0 and not self.local_only:
+            raise ValueError("rho=0 decouples the nodes: use --local_only for that ablation")
+        if not 0 <= self.dev_frac < 1:
+            raise ValueError(f"dev_frac={self.dev_frac}: hold out a fraction in [0, 1)")
+        if self.dedup_targets < 0:
+            raise ValueError(f"dedup_targets={self.dedup_targets}: use 0 (off) or a cap >= 1")
+        if self.local_only and self.no_dual:
+            raise ValueError("local_only and no_dual are separate ablations: choose one")
+        if self.pooled and self.partition == "anchor":
+            raise ValueError("pooled puts every example on one node: drop --partition anchor")
+        if self.n_partitions < 0:
+            raise ValueError(f"n_partitions={self.n_partitions}: use 0 (one per seat) or >= 1")
+        if self.fault_at is not None:
+            parts = self.fault_at.split(":")
+            if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+                raise ValueError(f"fault_at={self.fault_at!r}: write ROUND:RANK, e.g. 3:1")
+
+    # -- derived --------------------------------------------------------------
+    @property
+    def basis_seed(self) -> int:
+        return self.seed if self.lora_basis_seed is None else self.lora_basis_seed
+
+    def adapted_seats(self):
+        n = self.n_agents
+        if self.adapt_roles == "all":
+            return list(range(n))
+        if self.adapt_roles == "nonsink":
+            return list(range(n - 1))
+        return list(range(1, n - 1))
+
+    def role(self, seat: int) -> str:
+        return ROLES[seat] if seat < len(ROLES) else f"Agent{seat + 1}"
+
+    def n_nodes(self) -> int:
+        if self.pooled:
+            return 1
+        if self.partition == "anchor":
+            return self.n_partitions or len(self.adapted_seats())
+        return len(self.adapted_seats())
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of every setting that changes what is computed (for checkpoints)."""
+        d = {k: v for k, v in self.as_dict().items() if k not in NON_SEMANTIC}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,467 @@
+"""The per-rank trainer: real transformers models, B-only LoRA, consensus ADMM rounds.
+
+Every process owns the nodes its communicator gives it: one under torchrun
+(rank = node), all of them with the single-process backend (one backbone, N
+adapter states switched by copying the flat B vector). For each node it keeps
+the tokenized shard of the fit set, the reference log-probs (computed once),
+an Adam optimizer over the flat B vector and a minibatch sampler. A round is
+the engine's: ``local_steps`` Adam steps on f_i + rho/2 ||x - z_i + u_i||^2,
+then the z- and u-steps through the communicator.
+
+Outputs (DESIGN.md section 7) are written by :meth:`Trainer.finish`;
+checkpoints by :meth:`Trainer.checkpoint` (see :mod:`admm_dist.checkpoint`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from . import checkpoint as ckpt
+from . import fitset as fs
+from . import objectives as obj
+from .adapter import (AdapterConfig, BOnlyLoRA, check_same_basis, hash_to_int64_row,
+                      int64_row_to_hash, load_vector, save_vector)
+from .admm import ADMMConfig, ADMMEngine, RoundRecord
+from .comm import Communicator, make_communicator
+from .config import dump_yaml
+from .dist import DistContext
+from .io import atomic_write_bytes, atomic_write_json
+from .settings import TrainConfig
+
+
+class TrainError(RuntimeError):
+    """A run cannot proceed; the message says why and what to change."""
+
+
+@dataclasses.dataclass
+class NodeState:
+    node: int
+    encoded: list
+    sampler: "obj.RoleBalancedSampler"
+    optimizer: torch.optim.Optimizer
+
+
+def collect_settings(cfg: TrainConfig) -> Dict[str, object]:
+    """The settings a fit set must have been built under to train this run."""
+    return {"task": cfg.task, "n_agents": cfg.n_agents, "adapt_roles": cfg.adapt_roles}
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.rank = ctx.rank
+        self.talk = (lambda m: None) if (cfg.quiet or ctx.rank != 0) else log
+        self.report: Dict[str, object] = {"config": cfg.as_dict()}
+        self.t_start = time.time()
+
+    # ------------------------------------------------------------------ set-up
+    def build_comm(self) -> Communicator:
+        cfg, ctx = self.cfg, self.ctx
+        n = cfg.n_nodes()
+        if ctx.env.is_distributed:
+            if cfg.backend == "local":
+                raise TrainError("--backend local runs every node in one process: launch it "
+                                 "without torchrun (python -m admm_dist.train ...)")
+            if ctx.world_size != n:
+                raise TrainError(f"world size {ctx.world_size} != number of nodes {n}: launch with "
+                                 f"torchrun --nproc_per_node {n}")
+            backend = "process_group"
+        else:
+            if cfg.backend == "process_group":
+                raise TrainError("--backend process_group needs torchrun: torchrun "
+                                 f"--nproc_per_node {n} -m admm_dist.train ...")
+            backend = "local"
+        return make_communicator(cfg.consensus, n_nodes=n, topology=cfg.topology,
+                                 gossip_steps=cfg.gossip_steps, timeout=ctx.timeout,
+                                 backend=backend)
+
+    def load_backbone(self):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        cfg, dev = self.cfg, self.ctx.device
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        src = cfg.model_name
+        local = os.path.isdir(src)
+        try:
+            tok = AutoTokenizer.from_pretrained(src, local_files_only=local)
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=local)
+        except OSError as e:
+            raise TrainError(f"cannot load backbone {src!r} ({str(e).splitlines()[0][:160]}): give a "
+                             "local folder or a reachable hub id as --model_name") from None
+        model.to(dev)
+        model.config.use_cache = False
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        return model, tok
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        self.comm = self.build_comm()
+        self.nodes = list(self.comm.nodes)
+        model, self.tokenizer = self.load_backbone()
+        self.adapter = BOnlyLoRA(model, AdapterConfig(
+            lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+            lora_layers_last=cfg.lora_layers_last, lora_targets=cfg.lora_targets,
+            lora_basis_seed=cfg.basis_seed))
+        self.model = self.adapter.model
+        if not cfg.no_grad_checkpointing and self.ctx.device.type == "cuda":
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.enable_input_require_grads()
+        self._check_basis()
+        self.ocfg = obj.ObjectiveConfig(
+            fit_mode=cfg.fit_mode, dpo_beta=cfg.dpo_beta, kl_beta=cfg.kl_beta,
+            target_span=cfg.target_span, max_prompt_tokens=cfg.max_prompt_tokens,
+            max_target_tokens=cfg.max_target_tokens)
+        self.init_vec = None
+        if cfg.init_state:
+            self.init_vec, _ = load_vector(cfg.init_state, self.adapter)
+        self.shards, self.dev_set = self.load_data()
+
+    def _check_basis(self) -> None:
+        rows = torch.cat([hash_to_int64_row(self.adapter.basis_hash())] * len(self.nodes))
+        table = self.comm.gather_rows(rows)
+        check_same_basis([int64_row_to_hash(table[i:i + 1]) for i in range(table.shape[0])])
+
+    # ------------------------------------------------------------------ data
+    def load_data(self):
+        cfg = self.cfg
+        if not cfg.fitset_cache:
+            raise TrainError("no fit set: pass --fitset_cache PATH (a file written by "
+                             "admm_dist.fitset.save_fitset or the collection step)")
+        f = fs.load_fitset(cfg.fitset_cache, settings=collect_settings(cfg))
+        examples = fs.derive(f, cfg.fit_mode)
+        seats = cfg.adapted_seats()
+        self.report.update(fitset=cfg.fitset_cache, fitset_provenance="file",
+                           fitset_settings_key=fs.settings_key(f.settings),
+                           anchor_keys=list(f.anchor_keys),
+                           adapted_seats=seats, adapted_roles=[cfg.role(s) for s in seats])
+        if cfg.fit_filter == "drop_unclosed_think":
+            examples, dropped = fs.drop_unclosed_think(examples)
+            self.report["dropped_unclosed_think"] = dropped
+        per_seat = fs.by_seat(examples, seats, drop_others=True)
+        if cfg.dedup_targets > 0:
+            flat = fs.dedup_targets([e for s in per_seat for e in s], cfg.dedup_targets)
+            per_seat = fs.by_seat(flat, seats)
+        self.report["target_composition"] = fs.target_composition(per_seat)
+        dev: List = []
+        if cfg.dev_frac > 0:
+            per_seat, dev = fs.split_dev(per_seat, cfg.dev_frac, cfg.seed)
+            self.report["dev_held_out"] = len(dev)
+        parts = fs.partition(per_seat, mode=cfg.partition, n_partitions=cfg.n_partitions,
+                             pooled=cfg.pooled)
+        self.report["node_sizes"] = [len(p) for p in parts]
+        if not any(parts):
+            raise TrainError(f"no training examples in {cfg.fitset_cache} for seats {seats}: "
+                             "refusing to train")
+        empty = [i for i, p in enumerate(parts) if len(p) == 0]
+        if empty:
+            raise TrainError(f"node(s) {empty} have no training examples: adapt fewer roles "
+                             "(--adapt_roles) or use --pooled")
+        self.talk(f"fit set {cfg.fitset_cache}: node sizes {[len(p) for p in parts]}, "
+                  f"dev {len(dev)}")
+        return {n: parts[n] for n in self.nodes}, dev
+
+    # ------------------------------------------------------------------ nodes
+    def build_nodes(self) -> None:
+        cfg = self.cfg
+        self.state: Dict[int, NodeState] = {}
+        for node in self.nodes:
+            enc = obj.encode(self.tokenizer, self.shards[node], self.ocfg)
+            if not enc:
+                raise TrainError(f"node {node}: every example became empty after truncation: "
+                                 "raise --max_target_tokens")
+            self._reference(enc)
+            sampler = obj.RoleBalancedSampler(enc, cfg.batch_size, cfg.seed * 1009 + node,
+                                              balance=not cfg.no_role_balance)
+            opt = torch.optim.Adam([self.adapter.param], lr=cfg.eta, foreach=False)
+            self.state[node] = NodeState(node, enc, sampler, opt)
+        x0 = self.init_vec if self.init_vec is not None else torch.zeros(self.adapter.numel)
+        self.engine = ADMMEngine(self.comm, ADMMConfig(rho=cfg.rho, local_only=cfg.local_only,
+                                                       no_dual=cfg.no_dual),
+                                 [x0.to(self.ctx.device, torch.float32) for _ in self.nodes])
+        self.best = None
+
+    def _reference(self, enc) -> None:
+        """Reference log-probs, once per example: adapters off, or the warm-start adapter."""
+        bs = max(1, self.cfg.batch_size)
+        if self.cfg.kl_ref == "collect" and self.init_vec is not None:
+            self.adapter.load_vector(self.init_vec)
+            ctx = _null_context(self.model)
+        else:
+            ctx = lambda: self.adapter.disabled()  # noqa: E731
+        obj.precompute_reference(self.model, enc, batch_size=bs, ref_context=ctx,
+                                 pad_id=self.tokenizer.pad_token_id)
+
+    # ------------------------------------------------------------------ x-step
+    def xstep(self, node: int, x: torch.Tensor, anchor: Optional[torch.Tensor], rho: float) -> float:
+        cfg, st, ad = self.cfg, self.state[node], self.adapter
+        ad.load_vector(x)
+        self.model.train()
+        total = 0.0
+        for step in range(cfg.local_steps):
+            idx = st.sampler.next_batch()
+            batch = obj.collate([st.encoded[i] for i in idx], self.tokenizer.pad_token_id)
+            ad.zero_grad()
+            loss, _ = obj.loss(self.model, batch, self.ocfg)
+            value = loss.item()
+            if self._fault("nan", node):
+                value = float("nan")
+            total += value
+            if not math.isfinite(value):
+                break  # every rank stops at this round's telemetry, with the node named
+            loss.backward()
+            if anchor is not None and rho > 0:
+                ad.flat_grad.add_(ad.flat - anchor, alpha=rho)
+            torch.nn.utils.clip_grad_norm_([ad.param], cfg.grad_clip)
+            st.optimizer.step()
+        x.copy_(ad.vector())
+        return total / cfg.local_steps
+
+    def _fault(self, kind: str, node: int) -> bool:
+        """Test-only fault hook: ``fault_at`` = ROUND:NODE kills, nan@ROUND:NODE poisons f_i."""
+        spec = self.cfg.fault_at
+        if not spec:
+            return False
+        want_nan = spec.startswith("nan@")
+        k, n = (int(v) for v in spec.split("@")[-1].split(":"))
+        if (kind == "nan") != want_nan or n != node:
+            return False
+        if kind == "nan":
+            return self.engine.round == k
+        return self.engine.round == k and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+
+    # ------------------------------------------------------------------ rounds
+    def train(self) -> Dict[str, object]:
+        cfg = self.cfg
+        self.setup()
+        self.build_nodes()
+        self.report["n_nodes"] = self.comm.n_nodes
+        self.report["numel"] = self.adapter.numel
+        self.report["basis_hash"] = self.adapter.basis_hash()
+        if cfg.dry_run:
+            self.talk("dry run: fit sets built, stopping before any gradient step")
+            return self.report
+        if cfg.resume == "auto":
+            self.try_resume()
+        root = ckpt.ckpt_root(cfg.out)
+        while self.engine.round < cfg.k_outer:
+            rec = self.engine.step(self.xstep)
+            self.on_round(rec)
+            if self.engine.round % cfg.checkpoint_every == 0 or self.engine.round == cfg.k_outer:
+                self.checkpoint(root)
+            if any(self._fault("kill", n) for n in self.nodes):
+                os._exit(17)
+        return self.finish()
+
+    def on_round(self, rec: RoundRecord) -> None:
+        cfg = self.cfg
+        k = rec.round
+        if self.dev_set and (k % cfg.dev_every == 0 or k == cfg.k_outer) and not cfg.local_only:
+            nll = self.dev_nll()
+            rec_dev = {"round": k, "dev_nll": nll}
+            self.report.setdefault("dev_curve", []).append(rec_dev)
+            if self.best is None or nll < self.best[0]:
+                self.best = (nll, k, self.engine.z[0].detach().clone())
+        self.talk(f"round {k:3d}/{cfg.k_outer}  f={[round(v, 4) for v in rec.f]}  "
+                  f"primal={max(rec.primal_normalized):.3e}  dual={max(rec.dual):.3e}  "
+                  f"sent={max(rec.bytes_sent)} B  x-step {max(rec.sec_x):.2f}s "
+                  f"z-step {max(rec.sec_z):.3f}s")
+
+    def dev_nll(self) -> float:
+        """Mean target-token NLL of each node's z_i on its share of the held-out set."""
+        rows = []
+        for k, node in enumerate(self.nodes):
+            share = self.dev_set[node::self.comm.n_nodes]
+            self.adapter.load_vector(self.engine.z[k])
+            rows.append(list(self._nll_sum(node, share)))
+        table = self.comm.gather_rows(torch.tensor(rows, dtype=torch.float64))
+        return float(table[:, 0].sum() / table[:, 1].sum().clamp_min(1))
+
+    def _nll_sum(self, node: int, examples) -> tuple:
+        """(sum of target-token NLL, number of tokens) of the current adapter, no grad."""
+        if not examples:
+            return 0.0, 0.0
+        cache = self.__dict__.setdefault("_dev_encoded", {})
+        if node not in cache:  # the held-out share is fixed: tokenize it once
+            cache[node] = obj.encode(self.tokenizer, examples, self.ocfg)
+        enc = cache[node]
+        tot = cnt = 0.0
+        self.model.eval()
+        with torch.no_grad():
+            for batch in obj.batches(enc, self.cfg.batch_size, self.tokenizer.pad_token_id):
+                b = batch.chosen()
+                lp = obj.token_logps(self.model, b)
+                m = b.target_mask.to(lp.device)
+                tot += float(-(lp * m).sum())
+                cnt += float(m.sum())
+        self.model.train()
+        return tot, cnt
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint(self, root: str) -> None:
+        k = self.engine.round
+        fp = self.cfg.fingerprint()
+        history = [r.as_dict() for r in self.engine.history]
+        for j, node in enumerate(self.nodes):
+            st = self.state[node]
+            opt_state = st.optimizer.state.get(self.adapter.param, {})
+            tensors = {"x": self.engine.x[j], "z": self.engine.z[j], "u": self.engine.u[j],
+                       "rng_cpu": torch.get_rng_state()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in opt_state:
+                    tensors[f"adam.{key}"] = opt_state[key]
+            meta = {"fingerprint": fp,
+                    "adam_step": float(opt_state["step"]) if "step" in opt_state else 0.0,
+                    "sampler": st.sampler.state_dict(), "history": history,
+                    "dev_curve": self.report.get("dev_curve", []),
+                    "best": None if self.best is None else [self.best[0], self.best[1]]}
+            if self.best is not None:
+                tensors["best_z"] = self.best[2]
+            ckpt.save_node(root, k, node, tensors, meta)
+        ckpt.prune(root, self.nodes, self.cfg.keep_checkpoints)
+
+    def try_resume(self) -> None:
+        root = ckpt.ckpt_root(self.cfg.out)
+        mine = ckpt.completed_rounds(root, self.nodes)
+        latest = torch.tensor([[float(mine[-1] if mine else 0)]] * len(self.nodes), dtype=torch.float64)
+        agreed = int(self.comm.gather_rows(latest).min().item())
+        if agreed == 0:
+            self.talk("resume auto: no complete checkpoint on every rank; starting from round 0")
+            return
+        if agreed not in mine:
+            raise TrainError(f"resume auto: round {agreed} is the last every rank completed but rank "
+                             f"{self.rank} no longer has it (--keep_checkpoints too small)")
+        state: Dict[str, object] = {"round": agreed}
+        for node in self.nodes:
+            tensors, meta = ckpt.load_node(root, agreed, node, self.cfg.fingerprint())
+            for name in ("x", "z", "u"):
+                state[f"{name}.{node}"] = tensors[name].to(self.ctx.device)
+            st = self.state[node]
+            if "adam.exp_avg" in tensors:
+                st.optimizer.state[self.adapter.param] = {
+                    "step": torch.tensor(meta["adam_step"]),
+                    "exp_avg": tensors["adam.exp_avg"].to(self.ctx.device),
+                    "exp_avg_sq": tensors["adam.exp_avg_sq"].to(self.ctx.device)}
+            st.sampler.load_state_dict(meta["sampler"])
+            torch.set_rng_state(tensors["rng_cpu"])
+            self.engine.history = [RoundRecord(**r) for r in meta["history"]]
+            if meta.get("dev_curve"):
+                self.report["dev_curve"] = meta["dev_curve"]
+            if meta.get("best") is not None:
+                self.best = (meta["best"][0], meta["best"][1], tensors["best_z"].to(self.ctx.device))
+        self.engine.load_state_dict(state)
+        self.talk(f"resume auto: continuing after round {agreed}")
+
+    # ------------------------------------------------------------------ outputs
+    @torch.no_grad()
+    def delta_w_rel(self, vec: torch.Tensor) -> float:
+        """||sum of scaled B A|| / ||W|| over the adapted projections."""
+        self.adapter.load_vector(vec)
+        num = den = 0.0
+        scale = self.cfg.lora_alpha / self.cfg.lora_rank
+        base = self.model.get_base_model()
+        for name, _shape, _off in self.adapter.layout():
+            mod = base.get_submodule(name)
+            a = mod.lora_A["default"].weight.float()
+            b = mod.lora_B["default"].weight.float()
+            num += float((scale * (b @ a)).pow(2).sum())
+            den += float(mod.base_layer.weight.float().pow(2).sum())
+        return math.sqrt(num) / max(math.sqrt(den), 1e-30)
+
+    def finish(self) -> Dict[str, object]:
+        cfg = self.cfg
+        hist = self.engine.history
+        self.report.update(
+            rounds=[r.as_dict() for r in hist],
+            loss_curve=[r.f for r in hist],
+            normalized_primal_residual_curve=[r.primal_normalized for r in hist],
+            x1_norm_curve=[r.x1_norm for r in hist],
+            comm_bytes_per_round_per_node=[r.bytes_sent for r in hist],
+            backend=self.comm.__class__.__name__, train_sec=round(time.time() - self.t_start, 2))
+        deploy_local = cfg.local_only or not self.comm.exact
+        result = [self.engine.x[j] if cfg.local_only else self.engine.z[j]
+                  for j in range(len(self.nodes))]
+        dw = [self.delta_w_rel(v) for v in result]
+        dws = self.comm.gather_rows(torch.tensor([[d] for d in dw], dtype=torch.float64))
+        dw_all = [float(v) for v in dws[:, 0]]
+        self.report["delta_w_rel"] = dw_all if deploy_local else dw_all[0]
+        self.report["deploy_required"] = "local" if deploy_local else None
+        if not all(math.isfinite(d) and d >= 1e-6 for d in dw_all):
+            self.write_report()
+            raise TrainError(f"refusing to write {cfg.out}: the adapter did not move "
+                             f"(delta_w_rel={dw_all}); raise --eta or --k_outer")
+        self.write_outputs(deploy_local)
+        self.write_report()
+        return self.report
+
+    def write_outputs(self, deploy_local: bool) -> None:
+        cfg = self.cfg
+        meta = {"config": cfg.as_dict(), "seats": cfg.adapted_seats(),
+                "roles": [cfg.role(s) for s in cfg.adapted_seats()],
+                "n_nodes": self.comm.n_nodes}
+        for j, node in enumerate(self.nodes):
+            path = os.path.join(cfg.out, f"node-{node}.safetensors")
+            from safetensors.torch import save as st_save
+            atomic_write_bytes(path, st_save({k: v.detach().cpu().contiguous() for k, v in
+                                              (("x", self.engine.x[j]), ("z", self.engine.z[j]),
+                                               ("u", self.engine.u[j]))}))
+        if self.rank != 0:
+            return
+        atomic_write_json(os.path.join(cfg.out, "seat_map.json"),
+                          dict(meta, deploy_required="local" if deploy_local else None,
+                               node_of_seat={str(s): (0 if cfg.pooled else i)
+                                             for i, s in enumerate(cfg.adapted_seats())}))
+        atomic_write_bytes(os.path.join(cfg.out, "config.yaml"), dump_yaml(cfg).encode())
+        if cfg.local_only:
+            self.talk(f"wrote {cfg.out}/ (local-only: deploy each node's x_i per seat)")
+            return
+        z = self.engine.z[0]
+        save_vector(cfg.out + "-last.safetensors", z,
+                    {"selection": "final consensus variable z", "round": self.engine.round,
+                     "deploy_required": "local" if deploy_local else None}, adapter=self.adapter)
+        self.talk(f"wrote {cfg.out}-last.safetensors")
+        if self.best is not None:
+            save_vector(cfg.out + "-best.safetensors", self.best[2],
+                        {"selection": "lowest held-out NLL", "round": self.best[1],
+                         "dev_nll": self.best[0]}, adapter=self.adapter)
+            self.report["best"] = {"round": self.best[1], "dev_nll": self.best[0]}
+            self.talk(f"wrote {cfg.out}-best.safetensors (round {self.best[1]})")
+        if cfg.export_peft:
+            self.adapter.export_peft(cfg.out + "-last-peft", z)
+            self.talk(f"wrote {cfg.out}-last-peft/")
+
+    def write_report(self) -> None:
+        if self.rank != 0:
+            return
+        name = os.path.basename(self.cfg.out.rstrip("/"))
+        path = os.path.join(self.cfg.report_dir, f"{name}-train.json")
+        atomic_write_json(path, _jsonable(self.report))
+        self.talk(f"wrote {path}")
+
+
+def _null_context(model):
+    import contextlib
+
+    return lambda: contextlib.nullcontext(model)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    return x
