@@ -40,6 +40,8 @@ class DistEnv:
     local_rank: int = 0
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
+    restart_count: int = 0          # TORCHELASTIC_RESTART_COUNT: 0 on the first attempt
+    agent_store: bool = False       # torchrun's agent hosts the TCPStore
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -81,6 +83,8 @@ def read_env(env: Optional[Mapping[str, str]] = None) -> DistEnv:
         local_rank=_int(env, "LOCAL_RANK", 0),
         master_addr=env.get("MASTER_ADDR") or None,
         master_port=int(port) if port else None,
+        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
 
@@ -156,11 +160,19 @@ def distributed(device: str = "auto", *, timeout_s: float = 300.0,
     kwargs = {}
     if dev.type == "cuda":
         kwargs["device_id"] = dev
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                            # env:// also reuses torchrun's agent store when there is one
-                            init_method="env://" if from_environ
-                            else f"tcp://{env.master_addr}:{env.master_port}",
-                            timeout=timeout, **kwargs)
+    if env.agent_store:
+        # torchrun's agent keeps one store across restarts: give every attempt its own
+        # key space, or a restarted rank would read the dead attempt's addresses.
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                              is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"admm_dist/attempt_{env.restart_count}", store)
+        dist.init_process_group(backend=backend, store=store, rank=env.rank,
+                                world_size=env.world_size, timeout=timeout, **kwargs)
+    else:
+        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                init_method="env://" if from_environ
+                                else f"tcp://{env.master_addr}:{env.master_port}",
+                                timeout=timeout, **kwargs)
     try:
         yield DistContext(env=env, device=dev, backend=backend, timeout=timeout)
     finally:

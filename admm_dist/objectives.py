@@ -73,7 +73,6 @@ zero-argument context-manager factory for the reference.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import logging

@@ -95,7 +95,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: str = "never"           # never | auto
     export_peft: bool = False
-    fault_at: Optional[str] = None  # test-only: "ROUND:RANK" kills that rank after ROUND's checkpoint
+    fault_at: Optional[str] = None  # test-only: "ROUND:NODE" kills after that round's checkpoint,
+    #                                 "nan@ROUND:NODE" makes that node's loss NaN in that round
 
     def __post_init__(self) -> None:
         _choice("adapt_roles", self.adapt_roles, ("all", "nonsink", "middle"))
@@ -136,9 +137,9 @@ class TrainConfig:
         if self.n_partitions < 0:
             raise ValueError(f"n_partitions={self.n_partitions}: use 0 (one per seat) or >= 1")
         if self.fault_at is not None:
-            parts = self.fault_at.split(":")
+            parts = self.fault_at.removeprefix("nan@").split(":")
             if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-                raise ValueError(f"fault_at={self.fault_at!r}: write ROUND:RANK, e.g. 3:1")
+                raise ValueError(f"fault_at={self.fault_at!r}: write ROUND:NODE or nan@ROUND:NODE, e.g. 3:1")
 
     # -- derived --------------------------------------------------------------
     @property

@@ -3,7 +3,7 @@
 ``make_examples`` builds, for every seat of the chain, preference pairs (or SFT
 targets) on small arithmetic queries: the prompt is the seat's chat-formatted
 turn, the chosen message states the right sum and the rejected one a wrong
-sum. ``python -m admm_dist.synthetic --out DIR`` writes a tiny random Qwen3
+sum in a hedged style. ``python -m admm_dist.synthetic --out DIR`` writes a tiny random Qwen3
 backbone and such a fit set into DIR.
 """
 from __future__ import annotations
@@ -39,7 +39,9 @@ def make_examples(*, n_agents: int = 4, per_seat: int = 32, fit_mode: str = "dpo
             prompt = _prompt(tokenizer, role, question)
             wrong = a + b + rng.choice([-11, -10, -1, 1, 10, 11])
             pre = "<think>add</think>" if think else ""
-            good, bad = f"{pre}{a + b}", f"{pre}{wrong}"
+            # A learnable preference even for a random tiny model: a stated right answer
+            # over a hedged wrong one.
+            good, bad = f"{pre}The sum is {a + b}.", f"{pre}maybe {wrong}?"
             if fit_mode == "dpo":
                 out.append(Example(seat=seat, role=role, anchor=anchor, prompt=prompt, target=good,
                                    rejected=bad, reward=1.0, rejected_reward=0.0, advantage=1.0))

@@ -30,8 +30,20 @@ HELP = __doc__ + "\nKeys and defaults:\n" + "\n".join(
     f"  --{k} {v!r}" for k, v in TrainConfig().as_dict().items())
 
 
+def _quiet_libraries() -> None:
+    """Keep stderr for our own messages: no per-load progress bars or deprecation chatter."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers|peft")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_libraries()
     if any(a in ("-h", "--help") for a in argv):
         print(HELP)
         return 0

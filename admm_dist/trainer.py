@@ -107,6 +107,7 @@ class Trainer:
         random.seed(cfg.seed)
         self.comm = self.build_comm()
         self.nodes = list(self.comm.nodes)
+        self.shards, self.dev_set = self.load_data()  # a bad fit set fails before any weights load
         model, self.tokenizer = self.load_backbone()
         self.adapter = BOnlyLoRA(model, AdapterConfig(
             lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
@@ -125,7 +126,6 @@ class Trainer:
         self.init_vec = None
         if cfg.init_state:
             self.init_vec, _ = load_vector(cfg.init_state, self.adapter)
-        self.shards, self.dev_set = self.load_data()
 
     def _check_basis(self) -> None:
         rows = torch.cat([hash_to_int64_row(self.adapter.basis_hash())] * len(self.nodes))

@@ -24,6 +24,11 @@ from .base import CommError, Communicator, gossip_combine, ring_accumulate
 from .meter import CONSENSUS, chunk_bounds
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
 class ProcessGroupCommunicator(Communicator):
     """Shared plumbing: metered point-to-point messages and bounded waits."""
 
@@ -46,20 +51,26 @@ class ProcessGroupCommunicator(Communicator):
 
     def _isend(self, t: torch.Tensor, to: int, phase: str = CONSENSUS):
         self.meter.add(self.rank, "isend", sent=t.numel() * t.element_size(), phase=phase)
-        return dist.isend(t, dst=self._peer(to), group=self.group)
+        return self._post(dist.isend, t, dst=self._peer(to))
 
     def _irecv(self, t: torch.Tensor, frm: int, phase: str = CONSENSUS):
         self.meter.add(self.rank, "irecv", recv=t.numel() * t.element_size(), phase=phase)
-        return dist.irecv(t, src=self._peer(frm), group=self.group)
+        return self._post(dist.irecv, t, src=self._peer(frm))
+
+    def _post(self, fn, t, **peer):
+        try:
+            return fn(t, group=self.group, **peer)
+        except Exception as e:  # a peer that died is reported when the next message is posted
+            raise CommError(f"rank {self.rank}: posting {fn.__name__} to/from {peer} failed "
+                            f"({_first_line(e)})") from e
 
     def _wait(self, works: Sequence, what: str) -> None:
         try:
             for w in works:
                 w.wait(self.timeout)
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with long texts
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CommError(f"rank {self.rank}: {what} failed or timed out after "
-                            f"{self.timeout.total_seconds():.0f}s ({first})") from e
+                            f"{self.timeout.total_seconds():.0f}s ({_first_line(e)})") from e
 
     def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         s = self._scratch

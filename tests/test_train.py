@@ -1,0 +1,219 @@
+"""The trainer end to end on a tiny random Qwen3 (built offline) with real PEFT adapters.
+
+Distributed runs use 3 gloo ranks (one per seat); each is compared with the
+single-process backend, which simulates the same nodes in one process.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from admm_dist.launcher import launch_cpu
+from admm_dist.settings import TrainConfig
+from admm_dist.synthetic import write_fitset
+from admm_dist.tiny import save_tiny_backbone
+from admm_dist.trainer import Trainer
+
+N = 3
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("assets")
+    bb = save_tiny_backbone(str(d / "backbone"), seed=1, hidden=32, layers=2, heads=2)
+    tok = AutoTokenizer.from_pretrained(bb)
+    settings = {"task": "synthetic", "n_agents": N, "adapt_roles": "all"}
+    dpo = write_fitset(str(d / "dpo.jsonl"), settings=settings, per_seat=16, tokenizer=tok)
+    return {"backbone": bb, "dpo": dpo, "dir": d, "settings": settings}
+
+
+def _cfg(assets, out, **kw):
+    base = dict(model_name=assets["backbone"], fitset_cache=assets["dpo"], task="synthetic",
+                n_agents=N, device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
+                k_outer=3, local_steps=3, batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0,
+                out=str(out / "run"), report_dir=str(out / "reports"), quiet=True, timeout_s=60)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _train_worker(ctx, cfg):
+    report = Trainer(cfg, ctx).train()
+    return report["loss_curve"]
+
+
+def _local(cfg):
+    from admm_dist.dist import distributed, read_env
+
+    with distributed("cpu", env=read_env({})) as ctx:
+        return Trainer(cfg, ctx).train()
+
+
+ARMS = {
+    "ring": dict(consensus="ring"),
+    "coordinator": dict(consensus="coordinator"),
+    "gossip": dict(consensus="gossip", topology="chain"),
+    "no_dual": dict(no_dual=True),
+    "local_only": dict(local_only=True),
+    "centralized": dict(pooled=True, consensus="coordinator"),
+}
+
+
+@pytest.mark.parametrize("arm", sorted(ARMS))
+def test_distributed_arm_equals_single_process(arm, assets, tmp_path):
+    kw = ARMS[arm]
+    nproc = 1 if kw.get("pooled") else N
+    dist_cfg = _cfg(assets, tmp_path / "dist", **kw)
+    local_cfg = _cfg(assets, tmp_path / "local", **kw)
+    if nproc > 1:
+        launch_cpu(_train_worker, nproc, dist_cfg, timeout_s=120)
+    else:  # the centralized arm is one node: a world of one under the launcher
+        launch_cpu(_train_worker, 1, dist_cfg, timeout_s=120)
+    report = _local(local_cfg)
+    key = "x" if arm == "local_only" else "z"
+    nodes = 1 if kw.get("pooled") else N
+    for i in range(nodes):
+        a = load_file(os.path.join(dist_cfg.out, f"node-{i}.safetensors"))[key]
+        b = load_file(os.path.join(local_cfg.out, f"node-{i}.safetensors"))[key]
+        assert a.norm() > 0
+        assert float((a - b).norm() / b.norm()) <= 1e-5, (arm, i)
+    rep = json.loads((tmp_path / "dist" / "reports" / "run-train.json").read_text())
+    assert len(rep["rounds"]) == 3 and len(rep["rounds"][0]["f"]) == nodes
+    for field in ("f", "primal", "primal_normalized", "dual", "bytes_sent", "bytes_recv",
+                  "sec_x", "sec_z", "sec_other"):
+        assert len(rep["rounds"][-1][field]) == nodes
+    if arm == "local_only":
+        assert not os.path.exists(dist_cfg.out + "-last.safetensors")
+        assert all(b == 0 for r in rep["rounds"] for b in r["bytes_sent"])
+    else:
+        assert os.path.exists(dist_cfg.out + "-last.safetensors")
+    assert report["delta_w_rel"]
+
+
+def test_dpo_loss_falls_and_the_exported_peft_adapter_reproduces_logits(assets, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg = _cfg(assets, tmp_path, k_outer=5, local_steps=4, eta=0.02, export_peft=True,
+               dev_frac=0.25)
+    report = _local(cfg)
+    f = report["loss_curve"]
+    assert f[0][0] < 0.6932 + 1e-3  # starts at about log 2 (B = 0) and can only have fallen
+    assert sum(f[-1]) < 0.8 * sum(f[0])
+    assert os.path.exists(cfg.out + "-best.safetensors") and report["best"]["round"] >= 1
+    # the exported folder is a standard PEFT adapter with the consensus z
+    base = AutoModelForCausalLM.from_pretrained(assets["backbone"])
+    ids = torch.tensor([[5, 9, 17, 33, 2, 40, 41]])
+    peft = PeftModel.from_pretrained(base, cfg.out + "-last-peft").eval()
+    from admm_dist.adapter import AdapterConfig, BOnlyLoRA, load_vector
+
+    ad = BOnlyLoRA(AutoModelForCausalLM.from_pretrained(assets["backbone"]),
+                   AdapterConfig(lora_rank=4, lora_alpha=8.0, lora_layers_last=2, lora_basis_seed=42))
+    vec, _ = load_vector(cfg.out + "-last.safetensors", ad)
+    ad.load_vector(vec)
+    with torch.no_grad():
+        assert torch.allclose(peft(ids).logits, ad.model.eval()(ids).logits, atol=1e-5)
+
+
+def _torchrun(args, nproc, timeout=240, restarts=0):
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(nproc), "--max-restarts", str(restarts), "-m", "admm_dist.train"] + args
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _args(assets, out, **kw):
+    d = dict(model_name=assets["backbone"], fitset_cache=assets["dpo"], task="synthetic",
+             n_agents=N, device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
+             k_outer=4, local_steps=2, batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0,
+             out=str(out / "run"), report_dir=str(out / "reports"), quiet=True, timeout_s=30)
+    d.update(kw)
+    return [f"{k}={v}" for k, v in d.items()]
+
+
+def test_killed_rank_resumes_bit_for_bit(assets, tmp_path):
+    clean = _torchrun(_args(assets, tmp_path / "clean"), N)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    hurt = _torchrun(_args(assets, tmp_path / "hurt", fault_at="2:1", resume="auto"), N, restarts=1)
+    assert hurt.returncode == 0, hurt.stderr[-3000:]
+    a = load_file(str(tmp_path / "clean" / "run-last.safetensors"))["b"]
+    b = load_file(str(tmp_path / "hurt" / "run-last.safetensors"))["b"]
+    assert torch.equal(a, b)
+    # the fault really fired, and only the last few checkpoints are kept
+    assert "exitcode" in hurt.stderr or "17" in hurt.stderr
+    rounds = sorted(os.listdir(tmp_path / "hurt" / "run.ckpt"))
+    assert rounds == ["round-000002", "round-000003", "round-000004"]
+
+
+def _error_line(proc):
+    lines = [l for l in (proc.stderr + proc.stdout).splitlines() if "admm_dist.train: error" in l]
+    assert lines, proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_world_size_must_equal_the_number_of_nodes(assets, tmp_path):
+    p = _torchrun(_args(assets, tmp_path), 2)
+    assert p.returncode != 0
+    assert "torchrun --nproc_per_node 3" in _error_line(p)
+    assert not os.path.exists(tmp_path / "run-last.safetensors")
+
+
+def test_non_finite_loss_stops_every_rank_with_round_and_node(assets, tmp_path):
+    p = _torchrun(_args(assets, tmp_path, fault_at="nan@2:1"), N)
+    assert p.returncode != 0
+    errs = [l for l in p.stderr.splitlines() if "admm_dist.train: error" in l]
+    # every rank that got to report names the same round and node (the agent may stop
+    # the others with SIGTERM first); none went past that round or wrote an output
+    assert errs and all("round 2" in l and "[1]" in l for l in errs), errs
+    assert sorted(os.listdir(tmp_path / "run.ckpt")) == ["round-000001"]
+    assert not os.path.exists(tmp_path / "run-last.safetensors")
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_bad_fitsets_and_checkpoints_are_one_clear_line(assets, tmp_path):
+    from admm_dist import train
+
+    def run(**kw):
+        out = tmp_path / "x"
+        argv = _args(assets, out, **kw)
+        return train.main(argv), out
+
+    # missing file
+    rc, out = run(fitset_cache=str(tmp_path / "missing.jsonl"))
+    assert rc == 1 and not os.path.exists(str(out / "run-last.safetensors"))
+    # corrupt file
+    bad = tmp_path / "corrupt.jsonl"
+    bad.write_text('{"format": "admm_dist.fitset", "version": 1\n{not json')
+    assert run(fitset_cache=str(bad))[0] == 1
+    # built under other settings
+    other = write_fitset(str(tmp_path / "other.jsonl"), per_seat=16,
+                         settings=dict(assets["settings"], n_agents=4))
+    assert run(fitset_cache=other)[0] == 1
+    # a checkpoint from another configuration
+    rc, out = run(k_outer=2)
+    assert rc == 0
+    rc, _ = run(k_outer=3, resume="auto", rho=0.5)
+    assert rc == 1
+
+
+def test_bad_input_messages(assets, tmp_path, capsys):
+    from admm_dist import train
+
+    train.main(_args(assets, tmp_path, fitset_cache=str(tmp_path / "missing.jsonl")))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0]
+    other = write_fitset(str(tmp_path / "other.jsonl"), per_seat=16,
+                         settings=dict(assets["settings"], n_agents=4))
+    train.main(_args(assets, tmp_path, fitset_cache=other))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "n_agents" in err[0]
+    train.main(_args(assets, tmp_path, k_outer=1))
+    capsys.readouterr()
+    train.main(_args(assets, tmp_path, k_outer=2, resume="auto", rho=0.5))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another configuration" in err[0]
