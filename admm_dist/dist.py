@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+_INITS = 0  # process groups created by this process (store key space of each)
 
 
 class DistConfigError(ValueError):
@@ -165,7 +166,9 @@ def distributed(device: str = "auto", *, timeout_s: float = 300.0,
         # key space, or a restarted rank would read the dead attempt's addresses.
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                               is_master=False, timeout=timeout)
-        store = dist.PrefixStore(f"admm_dist/attempt_{env.restart_count}", store)
+        global _INITS
+        _INITS += 1  # every rank sets up the same sequence of groups: same keys on all
+        store = dist.PrefixStore(f"admm_dist/attempt_{env.restart_count}/group_{_INITS}", store)
         dist.init_process_group(backend=backend, store=store, rank=env.rank,
                                 world_size=env.world_size, timeout=timeout, **kwargs)
     else:

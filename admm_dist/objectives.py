@@ -35,13 +35,12 @@ Batches (:func:`collate`)
     predicted by the logits at position p + j - 1.
 
 Log-probs (:func:`token_logps`)
-    One forward with transformers' ``logits_to_keep`` given as a boolean [rows, length]
-    mask of exactly the positions that predict scored target tokens: the LM head, the
-    log-softmax (a float32 ``logsumexp``) and the gather run on those positions only, never
-    on prompt, pad or unscored (think-block under ``visible``) positions. The result is
-    [rows, T_max] with 0 where the mask is 0. This needs a model whose forward accepts a
-    boolean ``logits_to_keep`` (transformers >= 5 causal LMs such as Qwen3, directly or
-    through PEFT, which passes the keyword on); anything else is a clear error.
+    One forward of the transformer body (through PEFT, whose LoRA layers sit inside it),
+    then the LM head, the log-softmax (a float32 ``logsumexp``) and the gather on exactly
+    the hidden states that predict scored target tokens: never on prompt, pad or unscored
+    (think-block under ``visible``) positions. The result is [rows, T_max] with 0 where the
+    mask is 0. Works with any transformers causal LM that exposes ``get_decoder()`` and
+    ``get_output_embeddings()`` (Qwen3 among them).
 
 Objectives (:func:`loss`), with per-sequence sums l = sum of masked token log-probs
     * ``dpo``: mean over pairs of ``-logsigmoid(dpo_beta * ((l+ - l+ref) - (l- - l-ref)))``
@@ -371,27 +370,34 @@ def _device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _decoder_and_head(model: torch.nn.Module):
+    """The transformer body and the LM head of a causal LM (through a PEFT wrapper).
+
+    LoRA layers live inside the body's modules, so calling the body directly keeps the
+    adapter (and PEFT's ``disable_adapter()`` still turns it off)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", None)
+    head = base.get_output_embeddings()
+    if decoder is None or head is None:
+        raise TypeError(f"{type(base).__name__} has no decoder/LM head: use a transformers "
+                        "causal LM such as Qwen3ForCausalLM")
+    return decoder, head
+
+
 def token_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Per-target-token log-probs [rows, T_max] (float32, 0 where the mask is 0) from ONE
-    forward of ``model`` over all rows. Only the positions that predict scored tokens go
-    through the LM head and the log-softmax (a boolean ``logits_to_keep`` mask)."""
+    forward of ``model`` over all rows. Only the hidden states that predict scored tokens
+    go through the LM head and the log-softmax (never prompt, padding or masked tokens)."""
     b = batch.to(_device(model))
     rows, cols = (b.target_mask > 0).nonzero(as_tuple=True)   # row-major: row, then position
     out = torch.zeros(b.target_mask.shape, dtype=torch.float32, device=b.target_mask.device)
     if rows.numel() == 0:
         return out
-    pred = b.target_pos[rows, cols] - 1                        # the logits that predict them
-    keep = torch.zeros(b.input_ids.shape, dtype=torch.bool, device=b.input_ids.device)
-    keep[rows, pred] = True                                    # same row-major order as rows/cols
-    res = model(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                logits_to_keep=keep, use_cache=False)
-    logits = res.logits if hasattr(res, "logits") else res[0]
-    if logits.dim() != 2 or logits.shape[0] != rows.numel():
-        raise RuntimeError(f"the model returned logits of shape {tuple(logits.shape)} for a "
-                           f"boolean logits_to_keep mask of {rows.numel()} positions: use a "
-                           f"transformers>=5 causal LM (e.g. Qwen3ForCausalLM), whose forward "
-                           f"keeps only the masked positions")
-    logits = logits.float()
+    pred = b.target_pos[rows, cols] - 1                        # the positions that predict them
+    decoder, head = _decoder_and_head(model)
+    hidden = decoder(input_ids=b.input_ids, attention_mask=b.attention_mask,
+                     use_cache=False).last_hidden_state
+    logits = head(hidden[rows, pred]).float()
     labels = b.target_ids[rows, cols]
     lp = logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return out.index_put((rows, cols), lp)
