@@ -114,7 +114,7 @@ class Trainer:
             lora_layers_last=cfg.lora_layers_last, lora_targets=cfg.lora_targets,
             lora_basis_seed=cfg.basis_seed))
         self.model = self.adapter.model
-        if not cfg.no_grad_checkpointing and self.ctx.device.type == "cuda":
+        if not cfg.no_grad_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()
@@ -250,6 +250,7 @@ class Trainer:
         self.report["basis_hash"] = self.adapter.basis_hash()
         if cfg.dry_run:
             self.talk("dry run: fit sets built, stopping before any gradient step")
+            self.write_report()
             return self.report
         if cfg.resume == "auto":
             self.try_resume()

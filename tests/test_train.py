@@ -217,3 +217,67 @@ def test_bad_input_messages(assets, tmp_path, capsys):
     train.main(_args(assets, tmp_path, k_outer=2, resume="auto", rho=0.5))
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "another configuration" in err[0]
+
+
+def test_an_adapter_that_did_not_move_is_not_written(assets, tmp_path, capsys):
+    from admm_dist import train
+
+    rc = train.main(_args(assets, tmp_path, eta=1e-13, k_outer=1, local_steps=1))
+    err = [l for l in capsys.readouterr().err.splitlines() if "error" in l]
+    assert rc == 1 and "did not move" in err[0]
+    assert not os.path.exists(tmp_path / "run-last.safetensors")
+    rep = json.loads((tmp_path / "reports" / "run-train.json").read_text())
+    assert rep["delta_w_rel"] < 1e-6
+
+
+def test_dry_run_and_anchor_partition(assets, tmp_path):
+    cfg = _cfg(assets, tmp_path, dry_run=True, partition="anchor", n_partitions=2,
+               no_grad_checkpointing=True)
+    report = _local(cfg)
+    # every example lands on exactly one of the two anchor partitions
+    assert len(report["node_sizes"]) == 2 and sum(report["node_sizes"]) == 3 * 16
+    assert report["n_nodes"] == 2 and min(report["node_sizes"]) >= 16
+    assert os.path.exists(tmp_path / "reports" / "run-train.json")  # the dry run's report
+    assert not os.path.exists(cfg.out + "-last.safetensors")
+    with pytest.raises(Exception, match="fewer than 16"):
+        _local(_cfg(assets, tmp_path, dry_run=True, partition="anchor", n_partitions=4))
+
+
+def test_warm_start_with_the_collection_policy_as_kl_reference(assets, tmp_path):
+    import math
+
+    first = _local(_cfg(assets, tmp_path / "a", k_outer=2, local_steps=2))
+    warm = _cfg(assets, tmp_path / "b", k_outer=1, local_steps=1,
+                init_state=str(tmp_path / "a" / "run-last.safetensors"))
+    # reference = the warm-start adapter: the first step's policy equals it (loss log 2, KL 0)
+    f_collect = _local(dataclass_replace(warm, kl_ref="collect"))["loss_curve"][0]
+    assert all(abs(v - math.log(2)) < 1e-5 for v in f_collect), f_collect
+    # reference = the backbone without adapters: the warm start already prefers chosen
+    f_frozen = _local(dataclass_replace(warm, kl_ref="frozen",
+                                        out=str(tmp_path / "c" / "run")))["loss_curve"][0]
+    assert all(v < math.log(2) - 0.05 for v in f_frozen), f_frozen
+    assert first["delta_w_rel"] > 0
+
+
+def dataclass_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+def _basis_worker(ctx, cfg):
+    import dataclasses
+
+    from admm_dist.adapter import AdapterError
+
+    cfg = dataclasses.replace(cfg, lora_basis_seed=7 if ctx.rank == 2 else 42)
+    try:
+        Trainer(cfg, ctx).setup()
+    except AdapterError as e:
+        return str(e)
+    return ""
+
+
+def test_ranks_with_different_lora_bases_refuse_to_start(assets, tmp_path):
+    res = launch_cpu(_basis_worker, N, _cfg(assets, tmp_path), timeout_s=60)
+    assert all("differs across ranks" in res[r] and "[2]" in res[r] for r in range(N)), res
