@@ -399,7 +399,7 @@ def token_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
                      use_cache=False).last_hidden_state
     logits = head(hidden[rows, pred]).float()
     labels = b.target_ids[rows, cols]
-    lp = logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    lp = -F.cross_entropy(logits, labels, reduction="none")
     return out.index_put((rows, cols), lp)
 
 

@@ -114,7 +114,9 @@ class Trainer:
             lora_layers_last=cfg.lora_layers_last, lora_targets=cfg.lora_targets,
             lora_basis_seed=cfg.basis_seed))
         self.model = self.adapter.model
-        if not cfg.no_grad_checkpointing:
+        # Checkpointing trades compute for activation memory: on by default on GPU; a CPU
+        # run has the memory and would only pay the recomputation (about +50% per step).
+        if not cfg.no_grad_checkpointing and self.ctx.device.type == "cuda":
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()
@@ -143,6 +145,7 @@ class Trainer:
         seats = cfg.adapted_seats()
         self.report.update(fitset=cfg.fitset_cache, fitset_provenance="file",
                            fitset_settings_key=fs.settings_key(f.settings),
+                           fitset_settings=f.settings, collection=f.stats,
                            anchor_keys=list(f.anchor_keys),
                            adapted_seats=seats, adapted_roles=[cfg.role(s) for s in seats])
         if cfg.fit_filter == "drop_unclosed_think":

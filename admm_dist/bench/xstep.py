@@ -24,17 +24,20 @@ Rows (seconds per optimizer step):
   (returns the pairs above) and ``load_backbone`` (returns the tiny model and tokenizer);
   ``setup()`` and ``build_nodes()`` run unchanged (BOnlyLoRA, encode, the reference
   log-probs computed once by ``precompute_reference``, the role-balanced sampler, Adam on
-  ``adapter.param``). One call of the real ``Trainer.xstep`` with a proximal anchor (rho
-  0.03, KL term kl_beta 0.1) runs all the steps; an optimizer step post-hook stamps the end
-  of every step, and a step's time is the gap between consecutive stamps (the first step
-  starts at the call): sampling, ``collate``, ``loss`` (one forward of chosen + rejected),
-  backward, proximal gradient, clip and Adam. ``ours_precompute_s`` is the time of
+  ``adapter.param``), with ``no_grad_checkpointing`` set as in the CPU configs (no
+  activation recomputation, like TRL's ``gradient_checkpointing=False`` below). One call
+  of the real ``Trainer.xstep`` with a proximal anchor (rho 0.03, KL term kl_beta 0.1) runs
+  all the steps; an optimizer step post-hook stamps the end of every step, and a step's
+  time is the gap between consecutive stamps (the first step starts at the call):
+  sampling, ``collate``, ``loss`` (one forward of chosen + rejected), backward, proximal
+  gradient, clip and Adam. ``ours_precompute_s`` is the time of
   ``build_nodes()`` (tokenization and the reference pass over every pair), once.
 - ``trl_s``: TRL's ``DPOTrainer`` with its defaults for the step (the reference log-probs
   computed every step with the adapter disabled), given the plain model and a peft
   ``LoraConfig``; ``bf16=False``, ``gradient_checkpointing=False``, ``use_cpu=True``,
-  ``max_steps = warmup + steps``, no logging, saving or evaluation. lora_A is frozen on
-  ``trainer.model`` after the trainer is built and before ``train()``.
+  ``max_steps = warmup + steps``, no logging, saving or evaluation, its default optimizer
+  (AdamW, weight decay 0). lora_A is frozen on ``trainer.model`` after the trainer is built
+  and before ``train()``, so TRL trains exactly as many B entries as ``numel_b``.
 - ``trl_precompute_s``: the same with ``precompute_ref_log_probs=True``. TRL computes the
   reference log-probs of the whole data set once, inside the trainer's constructor; that
   call (``_precompute_ref_logps``) is timed by itself and reported as
@@ -83,6 +86,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -96,6 +100,12 @@ LR = 1e-3
 GRAD_CLIP = 0.01
 RHO = 0.03
 TIMEOUT_S = 900.0
+
+
+def _hush() -> None:
+    """Keep the libraries' deprecation chatter (e.g. transformers' is_gradient_checkpointing,
+    read by PEFT) out of the table."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +338,7 @@ def bench_trl(sz: Sizes, pairs: Sequence[Dict[str, str]], precompute: bool) -> D
 # ----------------------------------------------------------------------------- (d) overhead
 
 def _overhead_rank(ctx, sz: Sizes, seed: int) -> Dict[str, Any]:
+    _hush()
     torch.set_num_threads(1)
     n = ctx.world_size
     cfg = _train_config(sz, n, sz.local_steps)
@@ -486,8 +497,9 @@ def format_table(r: Dict[str, Any]) -> str:
     lines.append(f"{'trl_precompute_s  (precompute_ref_log_probs)':<44} "
                  f"{_f(r['trl_precompute_s'], '8.4f'):>8} {_f(r['trl_precompute_over_ours'], '7.2f'):>7}")
     lines.append("-" * 61)
+    n_pairs = sz["batch"] * (sz["warmup"] + sz["steps"])
     lines.append(f"one-off reference pass: ours {r['ours_precompute_s']:.2f} s, TRL "
-                 f"{_f(r['trl_precompute_ref_s'], '.2f')} s ({sz['batch'] * (sz['warmup'] + sz['steps'])} pairs)")
+                 f"{_f(r['trl_precompute_ref_s'], '.2f')} s ({n_pairs} pairs)")
     if r["trl_s"] is not None:
         lines.append(f"TRL on_step_begin->on_step_end (no batch fetch): default "
                      f"{r['trl_inner_s']:.4f} s, precompute {r['trl_precompute_inner_s']:.4f} s")
@@ -520,6 +532,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if sz.rounds < 2:
         ap.error("--rounds must be >= 2 (the first is a warm-up)")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    _hush()
     print(f"# x-step benchmark: Qwen3 hidden {sz.hidden}, {sz.layers} layers, vocab {sz.vocab}; "
           f"batch {sz.batch} pairs of {sz.prompt_tokens}+{sz.target_tokens}+{sz.target_tokens} "
           f"tokens; B-only LoRA rank {sz.rank} on 7 projections x {sz.layers} layers; "
