@@ -167,7 +167,7 @@ class BOnlyLoRA:
     its grad are views into those two vectors.
     """
 
-    def __init__(self, model, config: AdapterConfig):
+    def __init__(self, model, config: AdapterConfig, *, fast_path: bool = True):
         from peft import LoraConfig, PeftModel, get_peft_model
         from peft.tuners.lora import LoraLayer
 
@@ -245,6 +245,9 @@ class BOnlyLoRA:
             off += n
         self._numel = total
         self.check_aliasing()
+        if fast_path:
+            for _, mod in lora_layers:
+                _install_fast_forward(mod)
 
     # ------------------------------------------------------------------ state
     @property
@@ -392,6 +395,71 @@ def _fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------- fast B-only forward
+class _BOnlyLinear(torch.autograd.Function):
+    """y = x W^T + b + s (x A^T) B^T with W, b and A frozen: one op, gradients for x and B only.
+
+    PEFT's generic LoRA forward builds three autograd nodes per layer (A, B, the scaled
+    add) and keeps their inputs. Here, in fp32, W + s B A is formed once (out x in, r
+    multiply-adds per entry) and used for both passes; with a lower-precision base (bf16 on
+    GPU) the base product stays in its dtype and only the rank-r path runs in fp32, as in
+    PEFT. The backward returns dL/dx and dL/dB = s g^T (x A^T); nothing else.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, scale):
+        xa = torch.nn.functional.linear(x.to(a.dtype), a)             # [..., r]
+        if weight.dtype == a.dtype and x.dtype == a.dtype:
+            w_eff = torch.addmm(weight, b, a, alpha=scale)          # W + s B A
+            y = torch.nn.functional.linear(x, w_eff, bias)
+            ctx.save_for_backward(w_eff, xa, a, b)
+            ctx.merged = True
+        else:
+            base = torch.nn.functional.linear(x, weight, bias)
+            out = base.shape[-1]
+            y = torch.addmm(base.reshape(-1, out).to(a.dtype), xa.reshape(-1, xa.shape[-1]), b.t(),
+                            alpha=scale).reshape(base.shape).to(base.dtype)
+            ctx.save_for_backward(weight, xa, a, b)
+            ctx.merged = False
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        w, xa, a, b = ctx.saved_tensors
+        s = ctx.scale
+        gx = gb = None
+        out, r = b.shape
+        if ctx.needs_input_grad[0]:
+            if ctx.merged:
+                gx = g @ w
+            else:
+                gx = (g @ w) + (s * ((g.to(b.dtype) @ b) @ a)).to(g.dtype)
+        if ctx.needs_input_grad[4]:
+            gb = s * (g.reshape(-1, out).to(b.dtype).t() @ xa.reshape(-1, r))
+        return gx, None, None, None, gb, None
+
+
+def _install_fast_forward(layer) -> None:
+    """Route the layer's enabled-adapter forward through :class:`_BOnlyLinear`.
+
+    Anything else (adapters disabled, merged weights, mixed adapter batches, extra
+    arguments, dropout) keeps PEFT's own forward.
+    """
+    generic = layer.forward
+
+    def forward(x, *args, **kwargs):
+        if (args or kwargs or layer.disable_adapters or layer.merged
+                or ADAPTER_NAME not in layer.active_adapters
+                or not isinstance(layer.lora_dropout[ADAPTER_NAME], torch.nn.Identity)):
+            return generic(x, *args, **kwargs)
+        base = layer.base_layer
+        return _BOnlyLinear.apply(x, base.weight, base.bias, layer.lora_A[ADAPTER_NAME].weight,
+                                  layer.lora_B[ADAPTER_NAME].weight, layer.scaling[ADAPTER_NAME])
+
+    layer.forward = forward
 
 
 # ---------------------------------------------------------------------- vector files

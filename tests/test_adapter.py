@@ -177,9 +177,9 @@ def test_flat_aliasing_and_inplace_grads_match_reference(vocab):
     check_views()
     cat = torch.cat([w.grad.reshape(-1) for w in (peft_b_weights(a)[n] for n, _, _ in a.layout())])
     assert torch.equal(a.flat_grad, cat)
-    torch.testing.assert_close(a.flat_grad, g1, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(a.flat_grad, g1, rtol=1e-5, atol=1e-6)  # fast path: W + sBA merged
     lm_loss(a.model, ids1).backward()  # no zero_grad: accumulates in place
-    torch.testing.assert_close(a.flat_grad, 2 * g1, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(a.flat_grad, 2 * g1, rtol=1e-5, atol=2e-6)
     a.zero_grad()
     assert torch.count_nonzero(a.flat_grad) == 0
     lm_loss(a.model, ids2).backward()
@@ -192,7 +192,7 @@ def test_flat_aliasing_and_inplace_grads_match_reference(vocab):
     a.zero_grad()
     lm_loss(a.model, ids1).backward()
     check_views()
-    torch.testing.assert_close(a.flat_grad, g1, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(a.flat_grad, g1, rtol=1e-5, atol=1e-6)  # fast path: W + sBA merged
 
 
 def test_adam_on_flat_param_moves_model_and_peft_sees_flat(vocab):
@@ -376,3 +376,30 @@ def test_export_peft_reproduces_logits(vocab, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded2(input_ids=ids).logits, a.model(input_ids=ids).logits,
                                    rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_b_only_forward_matches_peft_generic_forward(vocab, dtype):
+    """The fused B-only layer computes what PEFT's LoRA layer computes, values and B grads."""
+    from admm_dist.adapter import AdapterConfig, BOnlyLoRA
+    from admm_dist.tiny import tiny_qwen3
+
+    ids = batch(vocab, 3)
+    outs = []
+    for fast in (True, False):
+        model = tiny_qwen3(vocab, hidden=32, layers=2, heads=2, seed=5).to(dtype)
+        ad = BOnlyLoRA(model, AdapterConfig(lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
+                                            lora_basis_seed=3), fast_path=fast)
+        torch.manual_seed(0)
+        ad.load_vector(0.1 * torch.randn(ad.numel))
+        ad.zero_grad()
+        logits = ad.model(ids).logits
+        logits.float().logsumexp(-1).mean().backward()
+        outs.append((logits.detach().float(), ad.flat_grad.clone()))
+        with ad.disabled():  # adapters off goes through PEFT's own path either way
+            outs[-1] += (ad.model(ids).logits.detach().float(),)
+    (l1, g1, d1), (l2, g2, d2) = outs
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(l1, l2, rtol=tol, atol=tol)
+    assert float((g1 - g2).norm() / g2.norm()) < (1e-5 if dtype == torch.float32 else 3e-2)
+    assert torch.equal(d1, d2)
