@@ -281,3 +281,18 @@ def _basis_worker(ctx, cfg):
 def test_ranks_with_different_lora_bases_refuse_to_start(assets, tmp_path):
     res = launch_cpu(_basis_worker, N, _cfg(assets, tmp_path), timeout_s=60)
     assert all("differs across ranks" in res[r] and "[2]" in res[r] for r in range(N)), res
+
+
+@pytest.mark.parametrize("fit_mode", ["sft", "rsft", "dpo"])
+def test_sft_rsft_and_derived_dpo_from_an_sft_fit_set(assets, tmp_path, fit_mode):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets["backbone"])
+    sft = write_fitset(str(tmp_path / "sft.jsonl"), fit_mode="sft", per_seat=16,
+                       settings=assets["settings"], tokenizer=tok)
+    report = _local(_cfg(assets, tmp_path, fitset_cache=sft, fit_mode=fit_mode, k_outer=3,
+                         local_steps=3))
+    # rsft keeps the successful half of the rollouts; dpo pairs them with the failed half
+    assert report["node_sizes"] == [32 if fit_mode == "sft" else 16] * N
+    f = report["loss_curve"]
+    assert sum(f[-1]) < sum(f[0])
