@@ -166,3 +166,27 @@ def _wrong_nodes(ctx):
     except ValueError as e:
         return str(e)
     return ""
+
+
+def _segmented_ring(ctx, p, seg):
+    from admm_dist.comm import process_group
+
+    process_group.RingCommunicator.segment_numel = seg  # force several segments per chunk
+    process_group.RingCommunicator.segment_above = seg
+    comm = make_communicator("ring", n_nodes=ctx.world_size, timeout=ctx.timeout)
+    v = _vec(ctx.rank, p)
+    comm.consensus_([v])
+    c = comm.meter.total(node=ctx.rank)
+    return v, c.sent, c.recv
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_segmented_ring_is_bit_identical_and_metered_exactly(n):
+    res = launch_cpu(_segmented_ring, n, P_ODD, 97, timeout_s=60)
+    vs = [_vec(r, P_ODD) for r in range(n)]
+    LocalCommunicator(mode="ring", n_nodes=n).consensus_(vs)
+    for r in range(n):
+        v, sent, recv = res[r]
+        assert torch.equal(v, vs[r])
+        assert sent == ring_bytes_per_rank(P_ODD, n, r)
+        assert recv == ring_bytes_per_rank(P_ODD, n, (r - 1) % n)
