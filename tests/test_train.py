@@ -33,13 +33,18 @@ def assets(tmp_path_factory):
     return {"backbone": bb, "dpo": dpo, "dir": d, "settings": settings}
 
 
-def _cfg(assets, out, **kw):
+def _settings(assets, out, **kw):
+    """The tiny run every test starts from, as {key: value}."""
     base = dict(model_name=assets["backbone"], fitset_cache=assets["dpo"], task="synthetic",
                 n_agents=N, device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
                 k_outer=3, local_steps=3, batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0,
                 out=str(out / "run"), report_dir=str(out / "reports"), quiet=True, timeout_s=60)
     base.update(kw)
-    return TrainConfig(**base)
+    return base
+
+
+def _cfg(assets, out, **kw):
+    return TrainConfig(**_settings(assets, out, **kw))
 
 
 def _train_worker(ctx, cfg):
@@ -128,11 +133,8 @@ def _torchrun(args, nproc, timeout=240, restarts=0):
 
 
 def _args(assets, out, **kw):
-    d = dict(model_name=assets["backbone"], fitset_cache=assets["dpo"], task="synthetic",
-             n_agents=N, device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
-             k_outer=4, local_steps=2, batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0,
-             out=str(out / "run"), report_dir=str(out / "reports"), quiet=True, timeout_s=30)
-    d.update(kw)
+    """The same run as command-line overrides (k=v), shorter rounds for the CLI tests."""
+    d = _settings(assets, out, **dict(dict(k_outer=4, local_steps=2, timeout_s=30), **kw))
     return [f"{k}={v}" for k, v in d.items()]
 
 
