@@ -30,7 +30,9 @@ method alike. Before every repetition each rank restores its input vector
 maximum over ranks (the operation is done when the slowest rank is done);
 the reported ``median_s`` is the median over repetitions, and
 ``ratio_to_all_reduce`` divides it by the ``all_reduce`` median at the same
-(N, size).
+(N, size). ``paired_ratio_median`` is the median over repetitions of the
+method's time over the all_reduce time of the same repetition (adjacent in
+time, so slow drift of the machine cancels); the table prints it as ``paired``.
 
 Bytes, from separate untimed operations after the timed ones, per rank:
 
@@ -369,6 +371,9 @@ def run(sizes: Sequence[float], nprocs: Sequence[int], reps: int, *, warmup: int
         base = next(r for r in records if r["n"] == rec["n"] and r["mib"] == rec["mib"]
                     and r["method"] == "all_reduce") if "all_reduce" in methods else None
         rec["ratio_to_all_reduce"] = rec["median_s"] / base["median_s"] if base else None
+        # Same repetition, same machine state: the ratio pair by pair cancels drift.
+        rec["paired_ratio_median"] = (statistics.median(
+            a / b for a, b in zip(rec["times_s"], base["times_s"]) if b > 0) if base else None)
         rec.update({"loadavg_1min_before": load["loadavg_1min_before"],
                     "loadavg_1min_after": load["loadavg_1min_after"],
                     "other_processes_cores": load["other_processes_cores"]})
@@ -385,7 +390,7 @@ def _fmt_ratio(num: Optional[float], den: Optional[float], digits: int = 4) -> s
 
 def format_table(records: Sequence[Dict[str, object]]) -> str:
     """One row per (n, MiB, method); byte columns are per rank, ratios are to the analytic payload."""
-    head = (f"{'n':>2} {'MiB':>5} {'method':<14} {'median s':>9} {'/all_red':>8} "
+    head = (f"{'n':>2} {'MiB':>5} {'method':<14} {'median s':>9} {'/all_red':>8} {'paired':>6} "
             f"{'meter B/rank':>13} {'wire B/rank':>13} {'analytic B/rank':>15} {'wire/an':>7} "
             f"{'rtx B/rank':>10} {'net/an':>7} {'tcp/an':>7}")
     lines = [head, "-" * len(head)]
@@ -395,6 +400,7 @@ def format_table(records: Sequence[Dict[str, object]]) -> str:
         lines.append(
             f"{r['n']:>2} {r['mib']:>5g} {r['method']:<14} {r['median_s']:>9.4f} "
             f"{_fmt_ratio(r.get('ratio_to_all_reduce'), 1.0, 3):>8} "
+            f"{_fmt_ratio(r.get('paired_ratio_median'), 1.0, 3):>6} "
             f"{_fmt_bytes(r['meter_bytes_per_rank']):>13} {_fmt_bytes(r['wire_bytes_per_rank']):>13} "
             f"{_fmt_bytes(an):>15} {_fmt_ratio(r['wire_bytes_per_rank'], an):>7} "
             f"{_fmt_bytes(rtx):>10} {_fmt_ratio(r.get('wire_net_bytes_per_rank'), an):>7} "
