@@ -6,9 +6,12 @@ COPY setup.cfg pyproject.toml README.md ./
 COPY admm_dist ./admm_dist
 COPY launch ./launch
 COPY configs ./configs
+COPY assets ./assets
 RUN python -m pip install --no-cache-dir -e . \
  && python -c "import admm_dist, torch; print('torch', torch.__version__)"
 
 ENV OMP_NUM_THREADS=1
-# e.g. docker run --gpus all IMAGE torchrun --standalone --nproc_per_node 4 -m admm_dist.lsq
-CMD ["torchrun", "--standalone", "--nproc_per_node", "1", "-m", "admm_dist.lsq"]
+# Default: every seat in one process on the shipped tiny backbone (GPU if one is visible).
+# A real run: docker run --gpus all IMAGE torchrun --standalone --nproc_per_node 4 \
+#     -m admm_dist.train --config configs/admm_ring.yaml fitset_cache=/data/fitset.jsonl
+CMD ["python", "-m", "admm_dist.train", "--config", "configs/cpu/admm_ring.yaml", "device=auto"]
