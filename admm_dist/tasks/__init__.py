@@ -1,0 +1,49 @@
+"""Task registry: every task returns items ``{question, gold, answer_type, anchor, ...}``.
+
+Real tasks (gsm8k, aime, gpqa, ...) register here with loaders that read a public data set
+or a local JSON/JSONL file; the synthetic ``chain_arith`` task serves the tiny stand-in
+backbone. :func:`get` resolves a name with a clear error; :func:`load` returns the items.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List
+
+ANSWER_TYPES = ("number", "choice", "code", "safety")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    answer_type: str
+    loader: Callable[..., List[dict]]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.answer_type not in ANSWER_TYPES:
+            raise ValueError(f"task {self.name}: answer_type {self.answer_type!r} is not one of "
+                             f"{', '.join(ANSWER_TYPES)}")
+
+
+REGISTRY: Dict[str, TaskSpec] = {}
+
+
+def register(spec: TaskSpec) -> TaskSpec:
+    if spec.name in REGISTRY:
+        raise ValueError(f"task {spec.name!r} is registered twice")
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+def get(name: str) -> TaskSpec:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}: choose one of {', '.join(sorted(REGISTRY))}") from None
+
+
+def load(name: str, **kw) -> List[dict]:
+    return get(name).loader(**kw)
+
+
+from . import chain_arith  # noqa: E402,F401  (registers itself)
