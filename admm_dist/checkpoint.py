@@ -18,7 +18,7 @@ import json
 import os
 import re
 import shutil
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 import torch
 from safetensors.torch import load as st_load

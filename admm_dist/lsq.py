@@ -18,7 +18,7 @@ import dataclasses
 import json
 import math
 import sys
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 

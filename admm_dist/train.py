@@ -11,8 +11,6 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-import torch
-
 from . import config as config_mod
 from .admm import NonFiniteError
 from .adapter import AdapterError
@@ -52,8 +50,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (config_mod.ConfigError, ValueError) as e:
         print(f"admm_dist.train: error: {e}", file=sys.stderr)
         return 2
-    if cfg.device in ("cpu", "auto") and not torch.cuda.is_available():
-        torch.set_num_threads(max(1, torch.get_num_threads()))
     rank = 0
     try:
         with distributed(cfg.device, timeout_s=cfg.timeout_s) as ctx:

@@ -18,9 +18,10 @@ import math
 import os
 import random
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 import torch
+from safetensors.torch import save as st_save
 
 from . import checkpoint as ckpt
 from . import fitset as fs
@@ -415,7 +416,6 @@ class Trainer:
                 "n_nodes": self.comm.n_nodes}
         for j, node in enumerate(self.nodes):
             path = os.path.join(cfg.out, f"node-{node}.safetensors")
-            from safetensors.torch import save as st_save
             atomic_write_bytes(path, st_save({k: v.detach().cpu().contiguous() for k, v in
                                               (("x", self.engine.x[j]), ("z", self.engine.z[j]),
                                                ("u", self.engine.u[j]))}))

@@ -50,20 +50,19 @@ def b_slices(adapter):
     return {name: adapter.flat[off:off + s[0] * s[1]].view(*s) for name, s, off in adapter.layout()}
 
 
+def _peft_weights(adapter, which):
+    """{module name: the lora_A or lora_B weight PEFT uses}, read from the model itself."""
+    return {name: getattr(mod, which)["default"].weight
+            for name, mod in adapter.model.get_base_model().named_modules()
+            if hasattr(mod, which) and "default" in getattr(mod, which)}
+
+
 def peft_b_weights(adapter):
-    out = {}
-    for name, mod in adapter.model.get_base_model().named_modules():
-        if hasattr(mod, "lora_B") and "default" in mod.lora_B:
-            out[name] = mod.lora_B["default"].weight
-    return out
+    return _peft_weights(adapter, "lora_B")
 
 
 def peft_a_weights(adapter):
-    out = {}
-    for name, mod in adapter.model.get_base_model().named_modules():
-        if hasattr(mod, "lora_A") and "default" in mod.lora_A:
-            out[name] = mod.lora_A["default"].weight
-    return out
+    return _peft_weights(adapter, "lora_A")
 
 
 # ------------------------------------------------------------------ construction

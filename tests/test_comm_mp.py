@@ -4,7 +4,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from admm_dist.comm import (TOPOLOGIES, CommError, LocalCommunicator, make_communicator,

@@ -1,10 +1,8 @@
-import datetime
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from admm_dist.dist import DistConfigError, DistEnv, backend_for, distributed, read_env, resolve_device
+from admm_dist.dist import DistConfigError, backend_for, distributed, read_env, resolve_device
 from admm_dist.launcher import launch_cpu
 
 

@@ -4,8 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from admm_dist import lsq
 
 

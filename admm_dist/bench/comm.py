@@ -198,7 +198,7 @@ def _rank_main(ctx, sizes: Sequence[float], methods: Sequence[str], warmup: int,
                wire_trials: int) -> Dict[str, object]:
     from ..comm import CONSENSUS
 
-    rank, n = ctx.rank, ctx.world_size
+    rank = ctx.rank
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     out: Dict[str, object] = {"rank": rank, "threads": torch.get_num_threads(), "sizes": {}}

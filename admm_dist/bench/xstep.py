@@ -369,7 +369,7 @@ def bench_overhead(sz: Sizes, seed: int) -> Dict[str, Any]:
     wall = time.perf_counter() - t0
     ranks = [res[r] for r in range(sz.nprocs)]
     records = ranks[0]["records"]
-    shares, shares_wall, rounds = [], [], []
+    rounds = []
     for k, rec in enumerate(records):
         tot = [x + z + o for x, z, o in zip(rec["sec_x"], rec["sec_z"], rec["sec_other"])]
         w, x = max(tot), max(rec["sec_x"])
