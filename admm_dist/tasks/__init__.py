@@ -47,3 +47,4 @@ def load(name: str, **kw) -> List[dict]:
 
 
 from . import chain_arith  # noqa: E402,F401  (registers itself)
+from . import choice, coding, reasoning, safety  # noqa: E402,F401  (real tasks, register themselves)
