@@ -1,0 +1,173 @@
+"""The chain runtime: ``n_agents`` seats on one backbone, each with its own adapter state.
+
+``ChainRunner`` rolls out the multi-agent system seat by seat, batched across queries and
+samples: for seat k it builds every row's prompt (:mod:`admm_dist.mas.prompts`, through the
+tokenizer's chat template), switches the adapter to seat k's state (a copy into the flat B
+vector, no weight reload; seats without a state run with the adapter off), and generates.
+
+Seeds: every (query, sample, seat) draws from its own stream, ``row_seed(seed, anchor,
+sample, seat)``, so the same seed gives the same rollouts whatever the batching, and a
+chain can be continued from any prefix (``continue_chains``) with chosen seeds: that is
+how ``credit per_role`` branches one seat and finishes downstream with ``downstream_seed``,
+and how ``standin check`` measures a seat's influence.
+
+``seat_models`` (from ``agent_models``) runs a given seat on another backbone, e.g. a
+compromised agent.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..scoring import visible
+from . import prompts as P
+from .generate import generate
+
+SeedFn = Callable[[int, int], Optional[int]]   # (row, seat) -> seed, None = greedy
+
+
+def row_seed(seed: int, anchor: str, sample: int, seat: int) -> int:
+    """The sampling seed of one seat in one chain (63-bit, stable across processes)."""
+    h = hashlib.sha256(f"{seed}|{anchor}|{sample}|{seat}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One chain on one query: every seat's prompt and message."""
+    item: dict
+    sample: int
+    prompts: List[str]
+    texts: List[str]
+    finished: List[bool]
+
+    @property
+    def final_text(self) -> str:
+        return self.texts[-1] if self.texts else ""
+
+
+@dataclasses.dataclass
+class ChainConfig:
+    n_agents: int = 4
+    prompt: str = "sequential_v2"
+    words: str = "default"
+    think: bool = False
+    context_tokens: Optional[int] = None     # text_mas_context_length
+    max_new_tokens: int = 4096
+    sink_tokens: Optional[int] = None        # last seat's budget (None: max_new_tokens)
+    temperature: float = 0.8
+    top_p: float = 0.95
+    batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.n_agents < 1:
+            raise ValueError(f"n_agents={self.n_agents}: a chain needs at least one seat")
+        P.mode_of(self.prompt)
+        P.wording(self.words)
+        if self.context_tokens is not None and self.context_tokens <= 0:
+            self.context_tokens = None
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.sink_tokens is not None and self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens={self.sink_tokens} must be >= 0 (0: the last seat does not generate)")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
+
+    def budget(self, seat: int) -> int:
+        if seat == self.n_agents - 1 and self.sink_tokens is not None:
+            return self.sink_tokens
+        return self.max_new_tokens
+
+
+class ChainRunner:
+    """Roll out the chain. ``adapter`` is a BOnlyLoRA on ``model`` (or None); ``seat_states``
+    maps a seat to the B vector it runs with; ``seat_models`` maps a seat to another
+    (model, tokenizer)."""
+
+    def __init__(self, model, tokenizer, config: ChainConfig, *, adapter=None,
+                 seat_states: Optional[Dict[int, torch.Tensor]] = None,
+                 seat_models: Optional[Dict[int, Tuple[object, object]]] = None):
+        self.model, self.tok, self.cfg = model, tokenizer, config
+        self.adapter = adapter
+        self.seat_states = dict(seat_states or {})
+        self.seat_models = dict(seat_models or {})
+        if self.seat_states and adapter is None:
+            raise ValueError("seat_states need an adapter to load them into")
+        bad = [s for s in list(self.seat_states) + list(self.seat_models) if not 0 <= s < config.n_agents]
+        if bad:
+            raise ValueError(f"seats {bad} are outside a chain of {config.n_agents} seats")
+
+    # ------------------------------------------------------------------ prompts
+    def _clip(self, tok) -> Optional[Callable[[str], str]]:
+        t = self.cfg.context_tokens
+        if t is None:
+            return None
+        return lambda s: tok.decode(tok(s, add_special_tokens=False)["input_ids"][-t:])
+
+    def prompt_text(self, seat: int, item: dict, history: Sequence[str], *,
+                    mode: Optional[str] = None, tokenizer=None) -> str:
+        """Seat ``seat``'s chat-formatted prompt given the upstream messages ``history``."""
+        tok = tokenizer or self.seat_models.get(seat, (None, self.tok))[1]
+        content = P.user_message(mode or self.cfg.prompt, seat=seat, n_agents=self.cfg.n_agents,
+                                 question=str(item["question"]),
+                                 history=[visible(h) for h in history[:seat]],
+                                 answer_type=str(item.get("answer_type", "number")),
+                                 words=self.cfg.words, clip=self._clip(tok))
+        return tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                       add_generation_prompt=True, enable_thinking=self.cfg.think)
+
+    # ------------------------------------------------------------------ rollouts
+    def run(self, items: Sequence[dict], *, samples: int = 1, seed: int = 0,
+            greedy: bool = False) -> List[List[Rollout]]:
+        """``samples`` chains per item from scratch: result[i][s]."""
+        rows = [(it, s) for it in items for s in range(samples)]
+        seed_of: SeedFn = (lambda r, seat: None) if greedy else (
+            lambda r, seat: row_seed(seed, str(rows[r][0]["anchor"]), rows[r][1], seat))
+        flat = self.continue_chains([it for it, _ in rows], [[] for _ in rows], seed_of,
+                                    samples=[s for _, s in rows])
+        return [flat[i * samples:(i + 1) * samples] for i in range(len(items))]
+
+    def continue_chains(self, items: Sequence[dict], histories: Sequence[Sequence[str]],
+                        seed_of: SeedFn, *, samples: Optional[Sequence[int]] = None) -> List[Rollout]:
+        """Finish each chain from its given prefix of messages (row r starts at seat
+        len(histories[r])); ``seed_of(r, seat)`` picks each generated message's seed."""
+        n = self.cfg.n_agents
+        if len(items) != len(histories):
+            raise ValueError(f"{len(items)} items but {len(histories)} histories")
+        texts = [list(h) for h in histories]
+        if any(len(t) > n for t in texts):
+            raise ValueError(f"a history is longer than the chain's {n} seats")
+        prompts: List[List[str]] = [[""] * len(t) for t in texts]
+        finished: List[List[bool]] = [[True] * len(t) for t in texts]
+        start = min((len(t) for t in texts), default=n)
+        for seat in range(start, n):
+            rows = [r for r, t in enumerate(texts) if len(t) == seat]
+            if not rows:
+                continue
+            model, tok = self.seat_models.get(seat, (self.model, self.tok))
+            ptexts = [self.prompt_text(seat, items[r], texts[r], tokenizer=tok) for r in rows]
+            with self._seat(seat, model):
+                gens = generate(model, tok, ptexts, seeds=[seed_of(r, seat) for r in rows],
+                                max_new_tokens=self.cfg.budget(seat), temperature=self.cfg.temperature,
+                                top_p=self.cfg.top_p, batch_size=self.cfg.batch_size)
+            for r, p, g in zip(rows, ptexts, gens):
+                texts[r].append(g.text)
+                prompts[r].append(p)
+                finished[r].append(g.finished)
+        samples = samples if samples is not None else [0] * len(items)
+        return [Rollout(items[r], samples[r], prompts[r], texts[r], finished[r]) for r in range(len(items))]
+
+    # ------------------------------------------------------------------ adapters
+    def _seat(self, seat: int, model):
+        import contextlib
+
+        if self.adapter is None or model is not self.model:
+            return contextlib.nullcontext()
+        state = self.seat_states.get(seat)
+        if state is None:
+            return self.adapter.disabled()
+        self.adapter.load_vector(state)
+        return contextlib.nullcontext()
