@@ -15,8 +15,7 @@ import math
 from typing import Any, Dict, Optional
 
 from .comm import MODES, TOPOLOGIES
-
-ROLES = ("Planner", "Critic", "Refiner", "Judger")
+from .mas.prompts import role_name
 
 # Keys that do not change what is computed: a checkpoint or a fit set made under
 # other values of these is still valid.
@@ -155,7 +154,7 @@ class TrainConfig:
         return list(range(1, n - 1))
 
     def role(self, seat: int) -> str:
-        return ROLES[seat] if seat < len(ROLES) else f"Agent{seat + 1}"
+        return role_name(seat)
 
     def n_nodes(self) -> int:
         if self.pooled:

@@ -14,7 +14,7 @@ import random
 from typing import Dict, List, Optional, Sequence
 
 from .fitset import Example, save_fitset
-from .settings import ROLES
+from .mas.prompts import role_name
 
 
 def _prompt(tokenizer, role: str, question: str) -> str:
@@ -35,7 +35,7 @@ def make_examples(*, n_agents: int = 4, per_seat: int = 32, fit_mode: str = "dpo
         anchor = f"q{seed}-{i}"
         question = f"{a}+{b}=?"
         for seat in range(n_agents):
-            role = ROLES[seat] if seat < len(ROLES) else f"Agent{seat + 1}"
+            role = role_name(seat)
             prompt = _prompt(tokenizer, role, question)
             wrong = a + b + rng.choice([-11, -10, -1, 1, 10, 11])
             pre = "<think>add</think>" if think else ""

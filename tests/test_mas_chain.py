@@ -81,7 +81,7 @@ def test_same_seed_same_rollouts_and_seeds_matter(tiny):
     assert all(len(x.texts) == 4 and len(x.prompts) == 4 for row in a for x in row)
     # the prompt of seat k carries seat k-1's message (sequential_v2, compact wording)
     x = a[0][0]
-    assert f"Planner: {x.texts[0].strip()}" in x.prompts[1]
+    assert f"\n{x.texts[0].strip()}\nCritic: step 2" in x.prompts[1]
 
 
 def test_continue_from_a_prefix_keeps_it_and_reuses_seeds(tiny):
@@ -95,7 +95,7 @@ def test_continue_from_a_prefix_keeps_it_and_reuses_seeds(tiny):
     cont = r.continue_chains(items, prefix, seed_of)
     for c, p in zip(cont, prefix):
         assert c.texts[:2] == p and len(c.texts) == 4
-        assert "Critic: 999" in c.prompts[2]
+        assert "\n999\nRefiner: step 3" in c.prompts[2]
     # with the original history the continuation reproduces the original chain
     same = r.continue_chains(items, [full[i][0].texts[:2] for i in range(2)], seed_of)
     assert [c.texts for c in same] == [full[i][0].texts for i in range(2)]

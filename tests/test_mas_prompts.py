@@ -36,7 +36,7 @@ def test_hardened_modes_fence_upstream_text_and_warn():
 def test_compact_wording_for_the_standin():
     text = P.user_message("sequential_v2", seat=1, n_agents=4, question="Start 3: +4 *2 -1",
                           history=["3+4=7"], words="compact")
-    assert text == "Start 3: +4 *2 -1\nPlanner: 3+4=7\nCritic: do step 2."
+    assert text == "Start 3: +4 *2 -1\n3+4=7\nCritic: step 2"
 
 
 def test_clip_keeps_the_end_of_the_context():

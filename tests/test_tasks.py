@@ -55,3 +55,15 @@ def test_number_scoring(text, gold, ok):
 def test_extract_number_normalizes():
     assert extract_number("x = 7.0") == "7"
     assert extract_number("") is None
+
+
+def test_chain_arith_has_its_own_scorer():
+    item = tasks.load("chain_arith", split="eval", n=1, seed=0)[0]
+    gold = item["gold"]
+    assert tasks.score("chain_arith", f"Answer: {gold}", item) == (gold, True)
+    # a last seat that does one more step instead of answering has not answered
+    assert tasks.score("chain_arith", f"3+{gold}={int(gold) + 3}", item) == (None, False)
+    assert tasks.score("chain_arith", f"Answer: {int(gold) + 1}", item)[1] is False
+    assert tasks.get("chain_arith").words == "compact"
+    with pytest.raises(ValueError, match="reads no file"):
+        tasks.load("chain_arith", path="x.jsonl")

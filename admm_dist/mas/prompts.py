@@ -17,7 +17,8 @@ Modes (``prompt_modes()``):
 
 Wordings: ``default`` (natural-language briefs for real tasks, with the final-answer
 format of the task's answer type) and ``compact`` (a few characters per line, for the
-character-level stand-in backbone and its ``chain_arith`` task). A task names its
+character-level stand-in backbone and its ``chain_arith`` task: upstream messages one
+per line in seat order, unlabelled, then ``Critic: step 2``). A task names its
 wording; the mode decides visibility for both.
 
 ``clip`` (from ``text_mas_context_length``) shortens the carried upstream text, keeping
@@ -117,14 +118,14 @@ def _default_brief(seat: int, n: int, answer_type: str, mode_name: str, mode: Mo
 
 def _compact_brief(seat: int, n: int, answer_type: str, mode_name: str, mode: Mode) -> str:
     role = role_name(seat)
-    text = f"{role}: give the answer." if seat == n - 1 else f"{role}: do step {seat + 1}."
+    text = f"{role}: answer" if seat == n - 1 else f"{role}: step {seat + 1}"
     return f"Check <<<>>>. {text}" if mode.hardened and seat > 0 else text
 
 
 WORDINGS: Dict[str, Wording] = {
     "default": Wording("default", "Question:\n{question}", "\nAgents so far:", "[{role}]: {text}",
                        _default_brief),
-    "compact": Wording("compact", "{question}", "", "{role}: {text}", _compact_brief),
+    "compact": Wording("compact", "{question}", "", "{text}", _compact_brief),
 }
 
 

@@ -7,7 +7,7 @@ backbone. :func:`get` resolves a name with a clear error; :func:`load` returns t
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 ANSWER_TYPES = ("number", "choice", "code", "safety")
 
@@ -18,6 +18,9 @@ class TaskSpec:
     answer_type: str
     loader: Callable[..., List[dict]]
     description: str = ""
+    # (text, item) -> (prediction, correct?); None: score by answer type (scoring.score_item)
+    scorer: Optional[Callable[[str, dict], Tuple[Optional[str], bool]]] = None
+    words: str = "default"          # the prompt wording the chain uses (mas.prompts.WORDINGS)
 
     def __post_init__(self) -> None:
         if self.answer_type not in ANSWER_TYPES:
@@ -44,6 +47,15 @@ def get(name: str) -> TaskSpec:
 
 def load(name: str, **kw) -> List[dict]:
     return get(name).loader(**kw)
+
+
+def score(name: str, text: str, item: dict) -> Tuple[Optional[str], bool]:
+    """(prediction, correct?) of a final answer ``text`` to ``item`` of task ``name``."""
+    spec = get(name)
+    if spec.scorer is not None:
+        return spec.scorer(text, item)
+    from ..scoring import score_item
+    return score_item(text, item)
 
 
 from . import chain_arith  # noqa: E402,F401  (registers itself)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Dict, List, Optional
+import re
+from typing import Dict, List, Optional, Tuple
 
 from . import TaskSpec, register
 
@@ -75,5 +76,19 @@ def load_chain_arith(split: str = "eval", n: Optional[int] = None, seed: int = 0
     raise ValueError(f"could not draw {n} distinct {split} items with n_ops={n_ops}: ask for fewer")
 
 
+_ANSWER = re.compile(r"Answer:\s*(-?\d+)")
+
+
+def score_chain_arith(text: str, item: dict) -> Tuple[Optional[str], bool]:
+    """The number on the last ``Answer:`` line of the final message; no such line is wrong
+    (a last seat that does one more step instead of answering has not answered)."""
+    from ..scoring import visible
+
+    found = _ANSWER.findall(visible(text))
+    pred = str(int(found[-1])) if found else None
+    return pred, pred is not None and pred == str(item["gold"])
+
+
 register(TaskSpec("chain_arith", "number", load_chain_arith,
-                  "synthetic multi-step arithmetic, one operation per seat"))
+                  "synthetic multi-step arithmetic, one operation per seat",
+                  scorer=score_chain_arith, words="compact"))
