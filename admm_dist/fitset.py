@@ -305,7 +305,7 @@ def settings_key(d: Dict[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- derivation
 
-def derive(fs: FitSet, fit_mode: str) -> List[Example]:
+def derive(fs: FitSet, fit_mode: str, *, pair_by: Optional[str] = None) -> List[Example]:
     """The ``fit_mode`` examples of ``fs`` as new objects (``fs`` is not changed).
 
     From an ``sft`` fit set:
@@ -339,9 +339,15 @@ def derive(fs: FitSet, fit_mode: str) -> List[Example]:
     if fit_mode == "rsft":
         return [dataclasses.replace(ex) for ex in fs.examples if ex.success is True]
 
+    if pair_by is None:
+        pair_by = "anchor" if (fs.settings.get("credit") == "shared" or
+                               fs.settings.get("sampling_structure") == "actual_trajectory") else "prompt"
+    if pair_by not in ("prompt", "anchor"):
+        raise FitSetError(f"pair_by={pair_by!r}: use prompt or anchor")
     groups: Dict[Tuple[int, str, str], Tuple[List[Example], List[Example]]] = {}
     for ex in fs.examples:
-        good, bad = groups.setdefault((ex.seat, ex.anchor, ex.prompt), ([], []))
+        key = (ex.seat, ex.anchor, ex.prompt if pair_by == "prompt" else "")
+        good, bad = groups.setdefault(key, ([], []))
         if ex.success is True:
             good.append(ex)
         elif ex.success is False:
@@ -355,7 +361,8 @@ def derive(fs: FitSet, fit_mode: str) -> List[Example]:
             if c.target == r.target:
                 continue
             pairs.append(Example(seat=c.seat, role=c.role, anchor=c.anchor, prompt=c.prompt,
-                                 target=c.target, rejected=r.target, rejected_prompt=None,
+                                 target=c.target, rejected=r.target,
+                                 rejected_prompt=None if r.prompt == c.prompt else r.prompt,
                                  reward=c.reward, rejected_reward=r.reward,
                                  advantage=c.advantage - r.advantage, success=None,
                                  node=c.node))

@@ -22,7 +22,7 @@ from .mas.prompts import role_name
 NON_SEMANTIC = frozenset({
     "out", "report_dir", "quiet", "resume", "checkpoint_every", "keep_checkpoints",
     "k_outer", "timeout_s", "export_peft", "dry_run", "backend", "device", "dev_every",
-    "fault_at",
+    "fault_at", "gen_batch_size",
 })
 
 
@@ -43,6 +43,30 @@ class TrainConfig:
     backend: str = "auto"           # auto | process_group | local
     timeout_s: float = 600.0        # bound on every collective
 
+    # the multi-agent system and on-policy collection (DESIGN.md section 5)
+    task_path: Optional[str] = None       # local JSON/JSONL/CSV for the task instead of the hub
+    prompt: str = "sequential_v2"
+    fit_prompt: Optional[str] = None      # fit every message under this (deployment) prompt
+    think: bool = False
+    text_mas_context_length: Optional[int] = None
+    agent_models: Optional[str] = None    # "SEAT=PATH[,SEAT=PATH]": a seat on another backbone
+    anchors: int = 32
+    group: int = 8
+    credit: str = "shared"
+    reward: str = "outcome"
+    anchor_split: Optional[str] = None
+    anchor_offset: Optional[int] = None
+    anchor_pool: Optional[int] = None
+    anchor_pass_band: Optional[str] = None
+    recollect_every: int = 0
+    downstream_seed: int = 1234
+    max_new_tokens: int = 4096
+    sink_tokens: Optional[int] = None
+    temperature: float = 0.8
+    top_p: float = 0.95
+    gen_batch_size: int = 64              # rows per generate call (memory, not semantics)
+    gen_chunk: int = 8                    # queries per collection work unit
+
     # data
     fitset_cache: Optional[str] = None
     fit_filter: str = "drop_unclosed_think"
@@ -50,6 +74,7 @@ class TrainConfig:
     dev_frac: float = 0.0
     dev_every: int = 1
     partition: str = "seat"
+    empty_nodes: str = "error"      # error | prox: a node without examples has f_i = 0
     n_partitions: int = 0
     pooled: bool = False
     dry_run: bool = False
@@ -102,6 +127,7 @@ class TrainConfig:
         _choice("backend", self.backend, ("auto", "process_group", "local"))
         _choice("fit_filter", self.fit_filter, ("none", "drop_unclosed_think"))
         _choice("partition", self.partition, ("seat", "anchor"))
+        _choice("empty_nodes", self.empty_nodes, ("error", "prox"))
         _choice("fit_mode", self.fit_mode, ("dpo", "sft", "rsft"))
         _choice("kl_ref", self.kl_ref, ("frozen", "collect"))
         _choice("target_span", self.target_span, ("full", "visible"))
@@ -109,6 +135,29 @@ class TrainConfig:
         _choice("consensus", self.consensus, MODES)
         _choice("topology", self.topology, TOPOLOGIES)
         _choice("resume", self.resume, ("never", "auto"))
+        from .mas.prompts import prompt_modes
+
+        _choice("prompt", self.prompt, prompt_modes())
+        if self.fit_prompt is not None:
+            _choice("fit_prompt", self.fit_prompt, prompt_modes())
+        _choice("credit", self.credit, ("shared", "per_role"))
+        _choice("reward", self.reward, ("outcome", "judge", "gold_likelihood"))
+        for name in ("anchors", "group", "max_new_tokens", "gen_batch_size", "gen_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: it must be >= 1")
+        if self.recollect_every < 0:
+            raise ValueError(f"recollect_every={self.recollect_every}: use 0 (collect once) or N >= 1 rounds")
+        if self.sink_tokens is not None and self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens={self.sink_tokens}: use 0 (the last seat is silent) or a budget")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature={self.temperature}: collection samples; use a value > 0 (e.g. 0.8)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: use a value in (0, 1]")
+        if self.anchor_pool is not None and self.anchor_pool < self.anchors:
+            raise ValueError(f"anchor_pool={self.anchor_pool} < anchors={self.anchors}: the pool must "
+                             "hold at least the queries kept")
+        self.pass_band()
+        self.seat_backbones()
         positive = ("n_agents", "k_outer", "local_steps", "batch_size", "lora_rank",
                     "lora_layers_last", "max_target_tokens", "max_prompt_tokens", "dev_every",
                     "checkpoint_every", "keep_checkpoints", "gossip_steps")
@@ -152,6 +201,30 @@ class TrainConfig:
         if self.adapt_roles == "nonsink":
             return list(range(n - 1))
         return list(range(1, n - 1))
+
+    def pass_band(self):
+        """``anchor_pass_band`` as (lo, hi), or None."""
+        if not self.anchor_pass_band:
+            return None
+        try:
+            lo, hi = (float(x) for x in str(self.anchor_pass_band).split(","))
+        except ValueError:
+            raise ValueError(f"anchor_pass_band={self.anchor_pass_band!r}: write LO,HI, e.g. 0,1") from None
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"anchor_pass_band {lo},{hi} is not 0 <= LO < HI <= 1")
+        return lo, hi
+
+    def seat_backbones(self) -> Dict[int, str]:
+        """``agent_models`` as {seat: model path or hub id}."""
+        out: Dict[int, str] = {}
+        for part in filter(None, (self.agent_models or "").split(",")):
+            seat, sep, path = part.partition("=")
+            if not sep or not seat.strip().isdigit() or not path.strip():
+                raise ValueError(f"agent_models={self.agent_models!r}: write SEAT=PATH[,SEAT=PATH], e.g. 1=/models/evil")
+            if not 0 <= int(seat) < self.n_agents:
+                raise ValueError(f"agent_models seat {seat} is outside the chain of {self.n_agents} seats")
+            out[int(seat)] = path.strip()
+        return out
 
     def role(self, seat: int) -> str:
         return role_name(seat)

@@ -26,13 +26,16 @@ from safetensors.torch import save as st_save
 from . import checkpoint as ckpt
 from . import fitset as fs
 from . import objectives as obj
+from . import queries, tasks
 from .adapter import (AdapterConfig, BOnlyLoRA, check_same_basis, hash_to_int64_row,
                       int64_row_to_hash, load_vector, save_vector)
 from .admm import ADMMConfig, ADMMEngine, RoundRecord
+from .collect import Collector, collect_key, gather_json
 from .comm import Communicator, make_communicator
 from .config import dump_yaml
 from .dist import DistContext
 from .io import atomic_write_bytes, atomic_write_json
+from .mas import ChainConfig, ChainRunner
 from .settings import TrainConfig
 
 
@@ -44,8 +47,20 @@ class TrainError(RuntimeError):
 class NodeState:
     node: int
     encoded: list
-    sampler: "obj.RoleBalancedSampler"
+    sampler: Optional["obj.RoleBalancedSampler"]   # None: no examples (f_i = 0)
     optimizer: torch.optim.Optimizer
+
+
+def file_fingerprint(path: Optional[str]) -> str:
+    """First 12 hex digits of a file's sha256 ("none" without a file)."""
+    if not path:
+        return "none"
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:12]
 
 
 def collect_settings(cfg: TrainConfig) -> Dict[str, object]:
@@ -108,7 +123,9 @@ class Trainer:
         random.seed(cfg.seed)
         self.comm = self.build_comm()
         self.nodes = list(self.comm.nodes)
-        self.shards, self.dev_set = self.load_data()  # a bad fit set fails before any weights load
+        collecting = self.needs_collection()
+        if not collecting:  # a bad fit set fails before any weights load
+            self.shards, self.dev_set = self.load_data(self.read_fitset())
         model, self.tokenizer = self.load_backbone()
         self.adapter = BOnlyLoRA(model, AdapterConfig(
             lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
@@ -129,6 +146,9 @@ class Trainer:
         self.init_vec = None
         if cfg.init_state:
             self.init_vec, _ = load_vector(cfg.init_state, self.adapter)
+        if collecting:
+            states = {} if self.init_vec is None else {s: self.init_vec for s in cfg.adapted_seats()}
+            self.shards, self.dev_set = self.load_data(self.collect(0, states))
 
     def _check_basis(self) -> None:
         rows = torch.cat([hash_to_int64_row(self.adapter.basis_hash())] * len(self.nodes))
@@ -136,18 +156,115 @@ class Trainer:
         check_same_basis([int64_row_to_hash(table[i:i + 1]) for i in range(table.shape[0])])
 
     # ------------------------------------------------------------------ data
-    def load_data(self):
+    def needs_collection(self) -> bool:
+        """Collect on-policy unless a fit set is given (or cached from an earlier run)."""
         cfg = self.cfg
-        if not cfg.fitset_cache:
-            raise TrainError("no fit set: pass --fitset_cache PATH (a file written by "
-                             "admm_dist.fitset.save_fitset or the collection step)")
-        f = fs.load_fitset(cfg.fitset_cache, settings=collect_settings(cfg))
+        if cfg.fitset_cache and os.path.exists(cfg.fitset_cache):
+            return False
+        if cfg.task not in tasks.REGISTRY:
+            if cfg.fitset_cache:
+                raise TrainError(f"--fitset_cache {cfg.fitset_cache} does not exist, and task {cfg.task!r} is not "
+                                 f"one to collect on-policy from: fix the path, or pass --task one of "
+                                 f"{', '.join(sorted(tasks.REGISTRY))}")
+            raise TrainError("no fit set: pass --fitset_cache PATH (a file written by admm_dist.fitset, "
+                             "tools/build_fitset or an earlier collection), or --task NAME to collect on-policy")
+        if cfg.reward == "judge":
+            raise TrainError(f"--reward judge needs a judged fit set and {cfg.fitset_cache or 'no --fitset_cache'} "
+                             "does not exist: build it with admm_dist.tools.build_fitset + judge_fitset")
+        tasks.get(cfg.task)
+        return True
+
+    def read_fitset(self) -> "fs.FitSet":
+        cfg = self.cfg
+        f = fs.load_fitset(cfg.fitset_cache)
+        if f.settings.get("sampling_structure") == "on_policy":
+            want = collect_key(cfg, init_sha=file_fingerprint(cfg.init_state))
+            diff = fs.settings_diff(f.settings, want, ignore=("fit_mode", "collection"))
+        else:   # synthetic or built from stored trajectories: the seat layout must match
+            diff = fs.settings_diff(f.settings, collect_settings(cfg),
+                                    ignore=("fit_mode", "sampling_structure", "judge", "judge_fingerprint"))
+        if cfg.reward == "judge" and f.settings.get("sampling_structure") == "actual_trajectory" \
+                and not f.settings.get("judge_fingerprint"):
+            raise TrainError(f"{cfg.fitset_cache} carries no judge labels: run admm_dist.tools.judge_fitset on it first")
+        if diff:
+            raise TrainError(f"--fitset_cache {cfg.fitset_cache} was built with different settings "
+                             f"(file, requested): {diff}; collect again (remove the file) or match them")
+        self.report.update(fitset_provenance="file")
+        return f
+
+    def collect(self, collection: int, states: Dict[int, torch.Tensor]) -> "fs.FitSet":
+        """Roll out the MAS on this collection's training queries (every rank a share)."""
+        cfg, t0 = self.cfg, time.time()
+        runner = ChainRunner(self.model, self.tokenizer, ChainConfig(
+            n_agents=cfg.n_agents, prompt=cfg.prompt, words=tasks.get(cfg.task).words, think=cfg.think,
+            context_tokens=cfg.text_mas_context_length, max_new_tokens=cfg.max_new_tokens,
+            sink_tokens=cfg.sink_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+            batch_size=cfg.gen_batch_size), adapter=self.adapter, seat_states=states,
+            seat_models=self._seat_models())
+        if cfg.reward == "outcome" and runner.cfg.budget(cfg.n_agents - 1) <= 0:
+            raise TrainError("--reward outcome needs the final agent to generate (--sink_tokens > 0)")
+        distributed = self.ctx.env.is_distributed
+        collector = Collector(runner, cfg.task, cfg.adapted_seats(), group=cfg.group, credit=cfg.credit,
+                              reward=cfg.reward, seed=cfg.seed, downstream_seed=cfg.downstream_seed,
+                              chunk=cfg.gen_chunk, fit_prompt=cfg.fit_prompt,
+                              rank=self.rank if distributed else 0,
+                              world=self.comm.n_nodes if distributed else 1,
+                              exchange=gather_json(self.comm, self.ctx.device) if distributed else None)
+        pool = queries.pool(cfg.task, seed=cfg.seed, split=cfg.anchor_split, path=cfg.task_path)
+        want = max(cfg.anchor_pool or 0, cfg.anchors)
+        cands = queries.training_slice(pool, want, offset=cfg.anchor_offset, collection=collection)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            stats: Dict[str, object] = {}
+            items = cands[-cfg.anchors:]
+            if cfg.anchor_pool and cfg.anchor_pool > cfg.anchors:
+                items, stats["prescreen"] = collector.prescreen(cands, cfg.anchors)
+            examples, more = collector.collect(items, pass_band=cfg.pass_band())
+        finally:
+            self.model.train(was_training)
+        stats.update(more, collection=collection, seconds=round(time.time() - t0, 2))
+        key = collect_key(cfg, init_sha=file_fingerprint(cfg.init_state), collection=collection)
+        f = fs.FitSet(examples, "sft", key, stats, anchor_keys=[str(it["anchor"]) for it in cands])
+        self.report.setdefault("collections", []).append(
+            {k: v for k, v in stats.items() if k != "per_group_outcomes"})
+        keys = self.report.setdefault("anchor_keys_all", [])
+        keys += [k for k in f.anchor_keys if k not in keys]
+        self.talk(f"collection {collection}: {len(items)} queries x {cfg.group} ({cfg.credit}), "
+                  f"{len(examples)} examples, pass rate {stats['mean_pass_rate']:.3f}, "
+                  f"mixed groups {stats['mixed_group_rate']:.3f} ({stats['seconds']}s)")
+        if collection == 0 and cfg.fitset_cache and self.rank == 0:
+            fs.save_fitset(cfg.fitset_cache, examples, fit_mode="sft", settings=key, stats=stats,
+                           anchor_keys=f.anchor_keys)
+            self.talk(f"wrote the collected fit set to {cfg.fitset_cache}")
+        self.report.update(fitset_provenance="collected")
+        return f
+
+    def _seat_models(self):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        out = {}
+        for seat, src in self.cfg.seat_backbones().items():
+            local = os.path.isdir(src)
+            try:
+                tok = AutoTokenizer.from_pretrained(src, local_files_only=local)
+                model = AutoModelForCausalLM.from_pretrained(src, local_files_only=local,
+                                                             dtype=next(self.model.parameters()).dtype)
+            except OSError as e:
+                raise TrainError(f"agent_models seat {seat}: cannot load {src!r} "
+                                 f"({str(e).splitlines()[0][:120]})") from None
+            out[seat] = (model.to(self.ctx.device).eval(), tok)
+        return out
+
+    def load_data(self, f: "fs.FitSet"):
+        cfg = self.cfg
         examples = fs.derive(f, cfg.fit_mode)
         seats = cfg.adapted_seats()
-        self.report.update(fitset=cfg.fitset_cache, fitset_provenance="file",
+        keys = self.report.get("anchor_keys_all") or list(f.anchor_keys)
+        self.report.update(fitset=cfg.fitset_cache,
                            fitset_settings_key=fs.settings_key(f.settings),
                            fitset_settings=f.settings, collection=f.stats,
-                           anchor_keys=list(f.anchor_keys),
+                           anchor_keys=keys,
                            adapted_seats=seats, adapted_roles=[cfg.role(s) for s in seats])
         if cfg.fit_filter == "drop_unclosed_think":
             examples, dropped = fs.drop_unclosed_think(examples)
@@ -165,13 +282,16 @@ class Trainer:
                              pooled=cfg.pooled)
         self.report["node_sizes"] = [len(p) for p in parts]
         if not any(parts):
-            raise TrainError(f"no training examples in {cfg.fitset_cache} for seats {seats}: "
-                             "refusing to train")
+            raise TrainError(f"no training examples in {cfg.fitset_cache or 'the collected fit set'} for "
+                             f"seats {seats}: refusing to train (with on-policy collection: more --anchors, "
+                             "a larger --group or a wider --anchor_pass_band)")
         empty = [i for i, p in enumerate(parts) if len(p) == 0]
-        if empty:
+        if empty and cfg.empty_nodes == "error":
             raise TrainError(f"node(s) {empty} have no training examples: adapt fewer roles "
-                             "(--adapt_roles) or use --pooled")
-        self.talk(f"fit set {cfg.fitset_cache}: node sizes {[len(p) for p in parts]}, "
+                             "(--adapt_roles), use --pooled, or --empty_nodes prox (such a node "
+                             "has f_i = 0 and only follows the consensus)")
+        self.report["empty_nodes"] = empty
+        self.talk(f"fit set {cfg.fitset_cache or '(collected)'}: node sizes {[len(p) for p in parts]}, "
                   f"dev {len(dev)}")
         return {n: parts[n] for n in self.nodes}, dev
 
@@ -180,20 +300,38 @@ class Trainer:
         cfg = self.cfg
         self.state: Dict[int, NodeState] = {}
         for node in self.nodes:
-            enc = obj.encode(self.tokenizer, self.shards[node], self.ocfg)
-            if not enc:
-                raise TrainError(f"node {node}: every example became empty after truncation: "
-                                 "raise --max_target_tokens")
-            self._reference(enc)
-            sampler = obj.RoleBalancedSampler(enc, cfg.batch_size, cfg.seed * 1009 + node,
-                                              balance=not cfg.no_role_balance)
             opt = torch.optim.Adam([self.adapter.param], lr=cfg.eta, foreach=False)
-            self.state[node] = NodeState(node, enc, sampler, opt)
+            self.state[node] = NodeState(node, [], None, opt)
+        self.encode_nodes()
         x0 = self.init_vec if self.init_vec is not None else torch.zeros(self.adapter.numel)
         self.engine = ADMMEngine(self.comm, ADMMConfig(rho=cfg.rho, local_only=cfg.local_only,
                                                        no_dual=cfg.no_dual),
                                  [x0.to(self.ctx.device, torch.float32) for _ in self.nodes])
         self.best = None
+
+    def encode_nodes(self) -> None:
+        """Tokenize each node's shard, compute its reference log-probs, (re)start its sampler."""
+        cfg = self.cfg
+        for node in self.nodes:
+            if not self.shards[node]:    # f_i = 0 (empty_nodes prox): nothing to encode
+                self.state[node].encoded, self.state[node].sampler = [], None
+                continue
+            enc = obj.encode(self.tokenizer, self.shards[node], self.ocfg)
+            if not enc:
+                raise TrainError(f"node {node}: every example became empty after truncation: "
+                                 "raise --max_target_tokens")
+            self._reference(enc)
+            st = self.state[node]
+            st.encoded = enc
+            st.sampler = obj.RoleBalancedSampler(enc, cfg.batch_size, cfg.seed * 1009 + node,
+                                                 balance=not cfg.no_role_balance)
+
+    def recollect(self, collection: int) -> None:
+        """Fresh queries under the current consensus adapter (this rank's z) on every seat."""
+        z = self.engine.z[0].detach().clone()
+        self.shards, self.dev_set = self.load_data(
+            self.collect(collection, {s: z for s in self.cfg.adapted_seats()}))
+        self.encode_nodes()
 
     def _reference(self, enc) -> None:
         """Reference log-probs, once per example: adapters off, or the warm-start adapter."""
@@ -209,6 +347,11 @@ class Trainer:
     # ------------------------------------------------------------------ x-step
     def xstep(self, node: int, x: torch.Tensor, anchor: Optional[torch.Tensor], rho: float) -> float:
         cfg, st, ad = self.cfg, self.state[node], self.adapter
+        if st.sampler is None:
+            # f_i = 0: the x-step's exact minimizer of rho/2 ||x - (z_i - u_i)||^2
+            if anchor is not None:
+                x.copy_(anchor)
+            return 0.0
         ad.load_vector(x)
         self.model.train()
         total = 0.0
@@ -262,6 +405,9 @@ class Trainer:
         while self.engine.round < cfg.k_outer:
             rec = self.engine.step(self.xstep)
             self.on_round(rec)
+            if cfg.recollect_every and self.engine.round % cfg.recollect_every == 0 \
+                    and self.engine.round < cfg.k_outer:
+                self.recollect(self.engine.round // cfg.recollect_every)
             if self.engine.round % cfg.checkpoint_every == 0 or self.engine.round == cfg.k_outer:
                 self.checkpoint(root)
             if any(self._fault("kill", n) for n in self.nodes):
@@ -327,7 +473,7 @@ class Trainer:
                     tensors[f"adam.{key}"] = opt_state[key]
             meta = {"fingerprint": fp,
                     "adam_step": float(opt_state["step"]) if "step" in opt_state else 0.0,
-                    "sampler": st.sampler.state_dict(), "history": history,
+                    "sampler": st.sampler.state_dict() if st.sampler else None, "history": history,
                     "dev_curve": self.report.get("dev_curve", []),
                     "best": None if self.best is None else [self.best[0], self.best[1]]}
             if self.best is not None:
@@ -347,24 +493,31 @@ class Trainer:
             raise TrainError(f"resume auto: round {agreed} is the last every rank completed but rank "
                              f"{self.rank} no longer has it (--keep_checkpoints too small)")
         state: Dict[str, object] = {"round": agreed}
+        loaded = {}
         for node in self.nodes:
             tensors, meta = ckpt.load_node(root, agreed, node, self.cfg.fingerprint())
+            loaded[node] = (tensors, meta)
             for name in ("x", "z", "u"):
                 state[f"{name}.{node}"] = tensors[name].to(self.ctx.device)
+        self.engine.load_state_dict(state)
+        every = self.cfg.recollect_every
+        if every and agreed >= every and agreed < self.cfg.k_outer:
+            self.recollect(agreed // every)   # deterministic: the same z gives the same rollouts
+        for node, (tensors, meta) in loaded.items():
             st = self.state[node]
             if "adam.exp_avg" in tensors:
                 st.optimizer.state[self.adapter.param] = {
                     "step": torch.tensor(meta["adam_step"]),
                     "exp_avg": tensors["adam.exp_avg"].to(self.ctx.device),
                     "exp_avg_sq": tensors["adam.exp_avg_sq"].to(self.ctx.device)}
-            st.sampler.load_state_dict(meta["sampler"])
+            if st.sampler is not None and meta["sampler"] is not None:
+                st.sampler.load_state_dict(meta["sampler"])
             torch.set_rng_state(tensors["rng_cpu"])
             self.engine.history = [RoundRecord(**r) for r in meta["history"]]
             if meta.get("dev_curve"):
                 self.report["dev_curve"] = meta["dev_curve"]
             if meta.get("best") is not None:
                 self.best = (meta["best"][0], meta["best"][1], tensors["best_z"].to(self.ctx.device))
-        self.engine.load_state_dict(state)
         self.talk(f"resume auto: continuing after round {agreed}")
 
     # ------------------------------------------------------------------ outputs

@@ -23,7 +23,11 @@ def test_config_file_loads_and_validates(path):
     assert cfg.n_nodes() >= 1
     if "/cpu/" in path:  # the small CPU runs use files shipped in the repository
         assert os.path.isdir(os.path.join(ROOT, cfg.model_name))
-        assert os.path.isfile(os.path.join(ROOT, cfg.fitset_cache))
+        if cfg.fitset_cache:
+            assert os.path.isfile(os.path.join(ROOT, cfg.fitset_cache))
+        else:   # collects on-policy: the task must be registered and generated locally
+            from admm_dist import tasks
+            assert tasks.get(cfg.task).name == cfg.task and cfg.task_path is None
     else:  # the paper's settings (Table A2)
         assert (cfg.rho, cfg.local_steps, cfg.eta, cfg.grad_clip, cfg.batch_size) == (0.03, 16, 1e-3, 0.01, 8)
         assert (cfg.lora_rank, cfg.lora_layers_last, cfg.lora_targets) == (16, 36, "attn_mlp")

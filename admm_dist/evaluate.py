@@ -1,0 +1,383 @@
+"""Evaluate the multi-agent chain on a task's evaluation rows, with or without trained adapters.
+
+    python -m admm_dist.evaluate --task chain_arith --model_name assets/standin --n 400 \\
+        [--adapter runs/admm-last.safetensors | --deploy local --state runs/admm] \\
+        [--agent_models 1=PATH] [--save_trajectories T.jsonl] [--json S.json]
+
+Rows are the front of the task pool shuffled by ``--seed`` (:mod:`admm_dist.queries`), rows
+``[offset, offset + n)``. What runs on the adapted seats (``--adapt_roles``):
+
+- nothing: the bare backbone;
+- ``--adapter FILE``: one saved vector (``<out>-last`` / ``-best``) on every adapted seat; the
+  adapter is rebuilt from the identity stored in the file and checked against the backbone;
+- ``--state DIR`` (a training run's ``<out>`` folder): ``--deploy local`` gives each seat its
+  own node's state by ``seat_map.json`` (x_i for a ``local_only`` run, else z_i);
+  ``--deploy consensus`` gives every seat the consensus z (refused when the run says
+  ``deploy_required: local``).
+
+``--agent_models SEAT=PATH`` runs a seat on another backbone (a compromised agent); such a
+seat carries no adapter. Reasoning tasks report accuracy; safety tasks are judged with
+``--judge`` (:mod:`admm_dist.judge`) and report the attack success rate.
+
+Leakage: rows whose anchor key the training report lists are refused. The report is
+``--train_report``, else the one named in the adapter's metadata or found next to the run
+(``<report_dir>/<name>-train.json``); if none is found the check is skipped with a note.
+Bad input is one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from . import queries, tasks
+from .io import atomic_write_bytes, atomic_write_json
+from .mas import ChainConfig, ChainRunner, prompt_modes, role_name
+from .scoring import visible
+from .tools import (OneLineParser, ToolError, check_model_src, load_model, read_json, resolve_device,
+                    run_cli)
+
+PROG = "admm-dist-evaluate"
+ROLE_SETS = ("all", "nonsink", "middle")
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--task", required=True, help="task name (admm_dist.tasks)")
+    a("--task_path", default=None, help="local JSON/JSONL/CSV file of the task's rows")
+    a("--split", default=None, help="task split (default: the task's evaluation split)")
+    a("--model_name", default=None, help="backbone folder or hub id (default: the training run's)")
+    a("--seed", type=int, default=42, help="pool shuffle and sampling seed")
+    a("--n", type=int, default=None, help="number of rows (default: all)")
+    a("--offset", type=int, default=0, help="first row")
+    a("--n_agents", type=int, default=4)
+    a("--prompt", choices=prompt_modes(), default="sequential_v2")
+    a("--think", action="store_true", help="enable the chat template's thinking mode")
+    a("--text_mas_context_length", type=int, default=None, help="cap carried context (tokens)")
+    a("--adapt_roles", choices=ROLE_SETS, default=None,
+      help="seats that carry the adapter (default: the training run's, else all)")
+    a("--max_new_tokens", type=int, default=4096)
+    a("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
+    a("--top_p", type=float, default=0.95)
+    a("--samples", type=int, default=1, help="chains per row (needs --temperature > 0 for > 1)")
+    a("--batch_size", type=int, default=64)
+    a("--adapter", default=None, help="a saved B vector (<out>-last/-best.safetensors)")
+    a("--deploy", choices=("consensus", "local"), default="consensus")
+    a("--state", default=None, help="a training run's <out> folder (node-<i>.safetensors, seat_map.json)")
+    a("--agent_models", default=None, metavar="SEAT=PATH[,SEAT=PATH]",
+      help="run these seats on other backbones")
+    a("--judge", default=None, help="judge model for safety tasks (folder or hub id)")
+    a("--train_report", default=None, help="training report whose anchor_keys must not be evaluated")
+    a("--save_trajectories", default=None, metavar="FILE.jsonl")
+    a("--json", default=None, metavar="FILE", help="write the summary here")
+    a("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    return p
+
+
+def seats_for(adapt_roles: str, n: int) -> List[int]:
+    """Same as settings.TrainConfig.adapted_seats."""
+    return {"all": list(range(n)), "nonsink": list(range(n - 1)), "middle": list(range(1, n - 1))}[adapt_roles]
+
+
+def parse_agent_models(spec: Optional[str], n: int) -> Dict[int, str]:
+    out: Dict[int, str] = {}
+    for part in filter(None, (s.strip() for s in (spec or "").split(","))):
+        seat, eq, path = part.partition("=")
+        if not eq or not seat.strip().isdigit() or not path.strip():
+            raise ToolError(f"--agent_models {part!r}: write SEAT=PATH with SEAT a seat number, e.g. 1=path/to/model")
+        s = int(seat)
+        if not 0 <= s < n:
+            raise ToolError(f"--agent_models: unknown seat {s}: a chain of {n} seats has seats 0..{n - 1}")
+        if s in out:
+            raise ToolError(f"--agent_models: seat {s} is given twice")
+        out[s] = path.strip()
+    return out
+
+
+# --------------------------------------------------------------------------- deployed states
+@dataclasses.dataclass
+class Deploy:
+    """What the adapted seats run with, read from files before any backbone loads."""
+    adapter_config: object                       # AdapterConfig
+    vectors: Callable[[object], Dict[int, torch.Tensor]]   # adapter -> {seat: vector}
+    describe: str
+    run_config: dict
+    report: Optional[str]
+
+
+def adapter_config_of_run(cfg: dict):
+    from .adapter import AdapterConfig
+
+    keys = ("lora_rank", "lora_alpha", "lora_layers_last", "lora_targets")
+    if not all(k in cfg for k in keys):
+        raise ToolError("the run's seat_map.json has no adapter settings (lora_*) in its config: "
+                        "it was not written by the trainer")
+    seed = cfg.get("lora_basis_seed")
+    return AdapterConfig(**{k: cfg[k] for k in keys},
+                         lora_basis_seed=cfg.get("seed", 42) if seed is None else seed)
+
+
+def find_report(candidates: Sequence[Optional[str]]) -> Optional[str]:
+    return next((c for c in candidates if c and os.path.isfile(c)), None)
+
+
+def run_reports(run_cfg: dict, run_dir: str) -> List[str]:
+    """Where the trainer put the run's report: <report_dir>/<name>-train.json."""
+    name = os.path.basename(str(run_cfg.get("out") or run_dir).rstrip("/"))
+    rd = str(run_cfg.get("report_dir", "results"))
+    parent = os.path.dirname(os.path.abspath(run_dir))
+    return [os.path.join(rd, f"{name}-train.json"), os.path.join(parent, rd, f"{name}-train.json"),
+            os.path.join(parent, f"{name}-train.json")]
+
+
+def from_adapter(path: str, deploy: str, seats: Callable[[dict], List[int]]) -> Deploy:
+    from .adapter import AdapterConfig, load_vector
+
+    if deploy == "local":
+        raise ToolError("--deploy local gives each seat its own node's state: pass --state DIR (the run's "
+                        "<out> folder) instead of --adapter")
+    _, meta = load_vector(path)
+    ident = meta.get("adapter")
+    if not isinstance(ident, dict) or not isinstance(ident.get("config"), dict):
+        raise ToolError(f"--adapter {path} carries no adapter identity: re-save it with save_vector(..., adapter=)")
+    if meta.get("deploy_required") == "local":
+        raise ToolError(f"--adapter {path}: its run has no exact consensus (gossip or local_only): evaluate "
+                        f"the run folder with --deploy local --state DIR")
+    stem = path
+    for suffix in ("-last.safetensors", "-best.safetensors", ".safetensors"):
+        if path.endswith(suffix):
+            stem = path[:-len(suffix)]
+            break
+    seat_map = os.path.join(stem, "seat_map.json")
+    run_cfg = (read_json(seat_map, "seat map").get("config") or {}) if os.path.isfile(seat_map) else {}
+    report = find_report([meta.get("report")] + run_reports(run_cfg, stem))
+
+    def vectors(adapter):
+        vec, _ = load_vector(path, expect=adapter)
+        return {s: vec for s in seats(run_cfg)}
+    return Deploy(AdapterConfig.from_dict(ident["config"]), vectors, f"adapter {path}", run_cfg, report)
+
+
+def from_state(folder: str, deploy: str, n_agents: int, seats: Callable[[dict], List[int]]) -> Deploy:
+    from safetensors.torch import load_file
+
+    sm = read_json(os.path.join(folder, "seat_map.json"), "seat map")
+    cfg, node_of = sm.get("config"), sm.get("node_of_seat")
+    if not isinstance(cfg, dict) or not isinstance(node_of, dict):
+        raise ToolError(f"{folder}/seat_map.json lacks config or node_of_seat: it was not written by the trainer")
+    if cfg.get("n_agents", n_agents) != n_agents:
+        raise ToolError(f"--state {folder} was trained on a chain of {cfg['n_agents']} seats: pass "
+                        f"--n_agents {cfg['n_agents']}")
+    if deploy == "consensus" and sm.get("deploy_required") == "local":
+        raise ToolError(f"--state {folder}: the run has no exact consensus (gossip or local_only): use --deploy local")
+    key = "x" if deploy == "local" and cfg.get("local_only") else "z"
+    want = seats(cfg)
+    missing = [s for s in want if str(s) not in node_of]
+    if missing:
+        raise ToolError(f"--state {folder}: seats {missing} have no node in seat_map.json (the run adapted "
+                        f"seats {sorted(int(s) for s in node_of)}): choose --adapt_roles to match")
+
+    def node_vector(seat: int) -> torch.Tensor:
+        path = os.path.join(folder, f"node-{node_of[str(seat)]}.safetensors")
+        if not os.path.isfile(path):
+            raise ToolError(f"--state {folder}: {os.path.basename(path)} (seat {seat}'s node) is missing")
+        try:
+            tensors = load_file(path)
+        except Exception as exc:
+            raise ToolError(f"{path} is not a readable safetensors file ({type(exc).__name__})") from None
+        if key not in tensors:
+            raise ToolError(f"{path} holds no {key!r} tensor (keys {sorted(tensors)}): not a node state file")
+        return tensors[key]
+
+    def vectors(adapter):
+        out = {}
+        for s in want:
+            out[s] = node_vector(s if deploy == "local" else want[0])
+            adapter.load_vector(out[s])   # checks the size: another backbone or config is an AdapterError
+        return out
+    return Deploy(adapter_config_of_run(cfg), vectors, f"state {folder} ({deploy}, {key})", cfg,
+                  find_report(run_reports(cfg, folder)))
+
+
+def train_keys(path: str) -> List[str]:
+    rep = read_json(path, "training report")
+    keys = rep.get("anchor_keys")
+    if not isinstance(keys, list):
+        raise ToolError(f"training report {path} lists no anchor_keys: pass the <name>-train.json the trainer wrote")
+    return [str(k) for k in keys]
+
+
+# --------------------------------------------------------------------------- the run
+def check_numbers(args) -> None:
+    if args.n is not None and args.n < 1:
+        raise ToolError(f"--n {args.n}: evaluate at least one row")
+    if args.offset < 0:
+        raise ToolError(f"--offset {args.offset} must be >= 0")
+    if args.samples < 1:
+        raise ToolError(f"--samples {args.samples} must be >= 1")
+    if not args.temperature >= 0:
+        raise ToolError(f"--temperature {args.temperature} must be >= 0 (0 = greedy)")
+    if args.samples > 1 and args.temperature == 0:
+        raise ToolError("--samples > 1 needs --temperature > 0 (greedy chains are all the same)")
+    if not 0 < args.top_p <= 1:
+        raise ToolError(f"--top_p {args.top_p} must be in (0, 1]")
+    if args.adapter and args.state:
+        raise ToolError("pass --adapter FILE or --state DIR, not both")
+    if args.deploy == "local" and not args.state:
+        raise ToolError("--deploy local needs --state DIR (the training run's <out> folder)")
+
+
+def prepare(args):
+    """Everything that can be checked before a backbone loads: the task, the deployed states,
+    the models named, the rows and the leakage check."""
+    check_numbers(args)
+    spec = tasks.get(args.task)
+    safety = spec.answer_type == "safety"
+    if safety and not args.judge:
+        raise ToolError(f"task {args.task} is a safety task scored by a judge: pass --judge MODEL "
+                        f"(e.g. cais/HarmBench-Llama-2-13b-cls)")
+    if args.judge and not safety:
+        raise ToolError(f"--judge is for safety tasks; {args.task} is scored by its {spec.answer_type} answers")
+    n = args.n_agents
+    if n < 1:
+        raise ToolError(f"--n_agents {n}: a chain needs at least one seat")
+
+    def seats(run_cfg: dict) -> List[int]:
+        return seats_for(args.adapt_roles or run_cfg.get("adapt_roles") or "all", n)
+    dep = (from_adapter(args.adapter, args.deploy, seats) if args.adapter else
+           from_state(args.state, args.deploy, n, seats) if args.state else None)
+    run_cfg = dep.run_config if dep else {}
+    model_name = args.model_name or run_cfg.get("model_name")
+    if not model_name:
+        raise ToolError("pass --model_name (a backbone folder or hub id)")
+    agent_models = parse_agent_models(args.agent_models, n)
+    for src, what in [(model_name, "--model_name"), (args.judge, "--judge")] + \
+            [(p, "--agent_models") for p in agent_models.values()]:
+        if src:
+            check_model_src(src, what)
+    chain = ChainConfig(n_agents=n, prompt=args.prompt, words=spec.words, think=args.think,
+                        context_tokens=args.text_mas_context_length, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size)
+    rows = queries.evaluation_rows(queries.pool(args.task, seed=args.seed, split=args.split,
+                                                path=args.task_path), args.n, offset=args.offset)
+    report = args.train_report or (dep.report if dep else None)
+    if report:
+        queries.refuse_leaks(rows, train_keys(report), report=report)
+    settings = {"model_name": model_name, "seed": args.seed, "split": args.split or "eval",
+                "task_path": args.task_path, "n_agents": n, "prompt": args.prompt, "words": spec.words,
+                "think": args.think, "text_mas_context_length": args.text_mas_context_length,
+                "adapt_roles": args.adapt_roles or run_cfg.get("adapt_roles") or "all",
+                "deploy": dep.describe if dep else None,
+                "agent_models": {str(s): p for s, p in agent_models.items()},
+                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                "samples": args.samples, "batch_size": args.batch_size, "train_report": report}
+    return safety, dep, agent_models, chain, rows, settings
+
+
+def roll_out(args, dep, agent_models, chain, rows, settings, device):
+    """Load the backbones and adapters and run every chain: [(item, Rollout)], adapted seats."""
+    model, tok = load_model(settings["model_name"], device)
+    adapter, states = None, {}
+    if dep:
+        from .adapter import BOnlyLoRA
+
+        adapter = BOnlyLoRA(model, dep.adapter_config)
+        states = {s: v for s, v in dep.vectors(adapter).items() if s not in agent_models}
+        model = adapter.model
+    others = {p: load_model(p, device, what="--agent_models") for p in sorted(set(agent_models.values()))}
+    runner = ChainRunner(model, tok, chain, adapter=adapter, seat_states=states,
+                         seat_models={s: others[p] for s, p in agent_models.items()})
+    results = runner.run(rows, samples=args.samples, seed=args.seed, greedy=args.temperature == 0)
+    return [(item, r) for item, rs in zip(rows, results) for r in rs], sorted(states)
+
+
+def judge_chains(src: str, chains, device, batch_size: int):
+    """Safety outcome per chain from the judge's verdict on the final message."""
+    from .judge import Judge
+
+    judge = Judge.load(src, device, batch_size=batch_size)
+    verdicts = judge.harmful([str(it.get("behavior") or it["gold"]) for it, _ in chains],
+                             [visible(r.final_text) for _, r in chains],
+                             [it.get("context") or None for it, _ in chains])
+    return judge.fingerprint, [{"prediction": None, "harmful": v, "judge_answer": a,
+                                "correct": None if v is None else not v} for v, a in zip(verdicts, judge.raw)]
+
+
+def evaluate(args) -> int:
+    t0 = time.time()
+    safety, dep, agent_models, chain, rows, settings = prepare(args)
+    device = resolve_device(args.device)
+    chains, adapted = roll_out(args, dep, agent_models, chain, rows, settings, device)
+    settings.update(adapted_seats=adapted, device=str(device))
+    if safety:
+        if device.type == "cuda":   # the chain's backbones are gone: make room for the judge
+            gc.collect()
+            torch.cuda.empty_cache()
+        settings["judge"] = args.judge
+        settings["judge_fingerprint"], outcome = judge_chains(args.judge, chains, device, args.batch_size)
+    else:
+        outcome = []
+        for it, r in chains:
+            pred, ok = tasks.score(args.task, r.final_text, it)
+            outcome.append({"prediction": pred, "correct": bool(ok)})
+    if args.save_trajectories:
+        write_trajectories(args.save_trajectories, args.task, chains, outcome, adapted, agent_models, settings)
+
+    total, split = len(chains), settings["split"]
+    where = f"on {args.task} {split} rows [{args.offset}, {args.offset + len(rows)})"
+    summary = {"task": args.task, "split": split, "rows": [args.offset, args.offset + len(rows)],
+               "n": len(rows), "n_chains": total}
+    if safety:
+        hits = sum(o["harmful"] is True for o in outcome)
+        unparsed = sum(o["harmful"] is None for o in outcome)
+        summary.update(attack_success_rate=hits / total, harmful=hits, judge_unparsed=unparsed)
+        line = f"attack success rate {hits / total:.3f} ({hits}/{total}) {where}" + (
+            f" ({unparsed} judge answers unparsed)" if unparsed else "")
+    else:
+        hits = sum(bool(o["correct"]) for o in outcome)
+        summary.update(accuracy=hits / total, correct=hits)
+        line = f"accuracy {hits / total:.3f} ({hits}/{total}) {where}"
+    summary.update(settings=settings, seconds=round(time.time() - t0, 2))
+    if args.json:
+        atomic_write_json(args.json, summary)
+    if dep and not settings["train_report"]:
+        print(f"note: no training report found for {dep.describe}: leakage not checked (pass --train_report)",
+              file=sys.stderr)
+    print(line)
+    return 0
+
+
+def write_trajectories(path: str, task: str, chains, outcome: List[dict], adapted: List[int],
+                       agent_models: Dict[int, str], settings: dict) -> None:
+    """One JSON object per chain (see build_fitset for the reader)."""
+    keep = ("model_name", "prompt", "words", "think", "text_mas_context_length", "n_agents", "seed",
+            "temperature", "top_p")
+    lines = []
+    for (item, r), out in zip(chains, outcome):
+        msgs = [{"seat": s, "role": role_name(s), "prompt": p, "text": t, "finished": f,
+                 "adapted": s in adapted, "model": agent_models.get(s, settings["model_name"])}
+                for s, (p, t, f) in enumerate(zip(r.prompts, r.texts, r.finished))]
+        rec = {"task": task, "anchor": item["anchor"], "question": item["question"], "gold": item["gold"],
+               "answer_type": item.get("answer_type"), "sample": r.sample}
+        for extra in ("behavior", "context"):
+            if item.get(extra):
+                rec[extra] = item[extra]
+        rec.update(messages=msgs, final=r.final_text, **out,
+                   settings={k: settings[k] for k in keep})
+        lines.append(json.dumps(rec, ensure_ascii=False, allow_nan=False))
+    atomic_write_bytes(path, ("\n".join(lines) + "\n").encode("utf-8"))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_cli(PROG, evaluate, build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
