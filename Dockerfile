@@ -14,4 +14,4 @@ ENV OMP_NUM_THREADS=1
 # Default: every seat in one process on the shipped tiny backbone (GPU if one is visible).
 # A real run: docker run --gpus all IMAGE torchrun --standalone --nproc_per_node 4 \
 #     -m admm_dist.train --config configs/admm_ring.yaml fitset_cache=/data/fitset.jsonl
-CMD ["python", "-m", "admm_dist.train", "--config", "configs/cpu/admm_ring.yaml", "device=auto"]
+CMD ["bash", "launch/cpu_demo.sh"]

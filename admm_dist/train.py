@@ -28,7 +28,7 @@ HELP = __doc__ + "\nKeys and defaults:\n" + "\n".join(
     f"  --{k} {v!r}" for k, v in TrainConfig().as_dict().items())
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """Keep stderr for our own messages: no per-load progress bars or deprecation chatter."""
     import warnings
 
@@ -41,7 +41,7 @@ def _quiet_libraries() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _quiet_libraries()
+    quiet_libraries()
     if any(a in ("-h", "--help") for a in argv):
         print(HELP)
         return 0

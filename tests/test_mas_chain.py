@@ -128,3 +128,23 @@ def test_adapter_state_is_switched_per_seat(tiny):
     cont = plain.continue_chains(items, hist, lambda r, s: None)
     assert [c.texts for c in cont] == [b[0].texts for b in base]
     assert math.isfinite(float(adapter.vector().abs().sum()))
+
+
+def test_think_reaches_the_chat_template_and_context_is_clipped_in_tokens(tiny):
+    model, tok = tiny
+    import copy
+    tok = copy.deepcopy(tok)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}<|im_start|>assistant\n"
+                         "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
+    item = load_chain_arith("eval", n=1, seed=0)[0]
+    hist = ["first message", "second message"]
+    off = ChainRunner(model, tok, ChainConfig(words="compact", think=False)).prompt_text(2, item, hist)
+    on = ChainRunner(model, tok, ChainConfig(words="compact", think=True)).prompt_text(2, item, hist)
+    assert off.endswith("<think>\n\n</think>\n\n") and on.endswith("assistant\n")
+    clipped = ChainRunner(model, tok, ChainConfig(words="compact", context_tokens=10)).prompt_text(2, item, hist)
+    assert "\nnd message\nRefiner: step 3" in clipped and "first" not in clipped   # the last 10 characters
+    # upstream thinking stays private: only the text after </think> is carried
+    carried = ChainRunner(model, tok, ChainConfig(words="compact")).prompt_text(
+        1, item, ["<think>secret</think>7+1=8"])
+    assert "secret" not in carried and "\n7+1=8\n" in carried

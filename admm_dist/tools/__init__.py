@@ -38,6 +38,9 @@ def one_line(exc: BaseException) -> str:
 def run_cli(prog: str, body: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser,
             argv: Optional[Sequence[str]]) -> int:
     """Parse ``argv`` and run ``body``; bad input is one line on stderr and exit code 2."""
+    from ..train import quiet_libraries
+
+    quiet_libraries()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:        # --help, or a one-line usage error: a code, not an exception

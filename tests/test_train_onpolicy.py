@@ -1,0 +1,79 @@
+"""The trainer with on-policy collection on the stand-in: collection, re-collection on fresh
+queries, the fit-set cache and its settings key, and 4 gloo ranks against one process."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from admm_dist import standin
+from admm_dist.fitset import load_fitset
+from admm_dist.launcher import launch_cpu
+from admm_dist.settings import TrainConfig
+from admm_dist.trainer import Trainer, TrainError
+
+
+def _cfg(tmp, **kw):
+    base = dict(task="chain_arith", anchor_split="train", model_name=str(standin.DEFAULT_DIR), device="cpu",
+                n_agents=4, anchors=6, group=4, credit="per_role", fit_mode="dpo", max_new_tokens=16,
+                gen_batch_size=256, gen_chunk=2, lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
+                k_outer=2, local_steps=2, batch_size=4, eta=0.003, rho=0.1, grad_clip=1.0,
+                empty_nodes="prox", out=str(tmp / "run"), report_dir=str(tmp / "rep"), quiet=True,
+                timeout_s=120)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _local(cfg):
+    from admm_dist.dist import distributed, read_env
+
+    with distributed("cpu", env=read_env({})) as ctx:
+        return Trainer(cfg, ctx).train()
+
+
+def _worker(ctx, cfg):
+    Trainer(cfg, ctx).train()
+    return True
+
+
+def test_recollection_takes_fresh_queries_and_the_cache_is_keyed(tmp_path):
+    cache = tmp_path / "fit.jsonl"
+    rep = _local(_cfg(tmp_path, recollect_every=1, fitset_cache=str(cache)))
+    cols = rep["collections"]
+    assert [c["collection"] for c in cols] == [0, 1] and rep["fitset_provenance"] == "collected"
+    assert len(rep["anchor_keys"]) == 12   # two disjoint slices of 6 queries: all listed for evaluation
+    f = load_fitset(str(cache))
+    assert f.settings["sampling_structure"] == "on_policy" and f.fit_mode == "sft"
+    assert set(f.anchor_keys) < set(rep["anchor_keys"])
+    # the second run reads the cache instead of collecting
+    rep2 = _local(_cfg(tmp_path / "again", fitset_cache=str(cache)))
+    assert rep2["fitset_provenance"] == "file" and "collections" not in rep2
+    # a cache built under other collection settings is refused, naming the key
+    with pytest.raises(TrainError, match="group"):
+        _local(_cfg(tmp_path / "other", fitset_cache=str(cache), group=5))
+
+
+def test_four_gloo_ranks_collect_and_train_like_one_process(tmp_path):
+    local = _cfg(tmp_path / "local")
+    dist = _cfg(tmp_path / "dist")
+    launch_cpu(_worker, 4, dist, timeout_s=300)
+    rep = _local(local)
+    zd = load_file(str(tmp_path / "dist" / "run-last.safetensors"))
+    zl = load_file(str(tmp_path / "local" / "run-last.safetensors"))
+    (kd,), (kl,) = zd.keys(), zl.keys()
+    assert torch.allclose(zd[kd], zl[kl], rtol=1e-5, atol=1e-7)
+    with open(tmp_path / "dist" / "rep" / "run-train.json") as fh:
+        drep = json.load(fh)
+    assert drep["collections"][0]["mixed_group_rate"] == rep["collections"][0]["mixed_group_rate"]
+    assert drep["node_sizes"] == rep["node_sizes"]
+    assert os.path.isfile(tmp_path / "dist" / "run" / "seat_map.json")
+
+
+def test_collection_errors_are_one_line(tmp_path):
+    with pytest.raises(TrainError, match="sink_tokens > 0"):
+        _local(_cfg(tmp_path, sink_tokens=0))
+    with pytest.raises(TrainError, match="judge_fitset"):
+        _local(_cfg(tmp_path, reward="judge"))
+    with pytest.raises(ValueError, match="anchor_pass_band"):
+        _cfg(tmp_path, anchor_pass_band="0.5")
