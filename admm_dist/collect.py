@@ -229,7 +229,7 @@ def gold_loglik(runner: ChainRunner, item: dict, texts: Sequence[str]) -> float:
     p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
     t_ids = tok(f"Answer: {item['gold']}", add_special_tokens=False)["input_ids"]
     ids = torch.tensor([p_ids + t_ids], device=next(model.parameters()).device)
-    with runner._seat(last, model):
+    with runner.seat_context(last, model):
         logits = model(input_ids=ids).logits[0, len(p_ids) - 1:-1].float()
     lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(p_ids):, None])
     return float(lp.mean())

@@ -204,7 +204,13 @@ def _bench_trainer_class():
             super().__init__(cfg, ctx, log=lambda m: None)
             self._sz, self._shards = sz, shards
 
-        def load_data(self):
+        def needs_collection(self):
+            return False
+
+        def read_fitset(self):
+            return None
+
+        def load_data(self, f=None):
             return {n: self._shards[n] for n in self.nodes}, []
 
         def load_backbone(self):

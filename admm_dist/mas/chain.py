@@ -90,6 +90,8 @@ class ChainRunner:
     def __init__(self, model, tokenizer, config: ChainConfig, *, adapter=None,
                  seat_states: Optional[Dict[int, torch.Tensor]] = None,
                  seat_models: Optional[Dict[int, Tuple[object, object]]] = None):
+        if adapter is not None and model is not adapter.model:
+            raise ValueError("with an adapter, run the chain on adapter.model (the wrapped backbone)")
         self.model, self.tok, self.cfg = model, tokenizer, config
         self.adapter = adapter
         self.seat_states = dict(seat_states or {})
@@ -149,7 +151,7 @@ class ChainRunner:
                 continue
             model, tok = self.seat_models.get(seat, (self.model, self.tok))
             ptexts = [self.prompt_text(seat, items[r], texts[r], tokenizer=tok) for r in rows]
-            with self._seat(seat, model):
+            with self.seat_context(seat, model):
                 gens = generate(model, tok, ptexts, seeds=[seed_of(r, seat) for r in rows],
                                 max_new_tokens=self.cfg.budget(seat), temperature=self.cfg.temperature,
                                 top_p=self.cfg.top_p, batch_size=self.cfg.batch_size)
@@ -161,7 +163,8 @@ class ChainRunner:
         return [Rollout(items[r], samples[r], prompts[r], texts[r], finished[r]) for r in range(len(items))]
 
     # ------------------------------------------------------------------ adapters
-    def _seat(self, seat: int, model):
+    def seat_context(self, seat: int, model):
+        """Run ``model`` as seat ``seat``: its adapter state loaded, or the adapter off."""
         import contextlib
 
         if self.adapter is None or model is not self.model:
