@@ -146,3 +146,28 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, arith, capsys, tool, argv, w
     err = capsys.readouterr().err
     assert rc == 2 and words in err, err
     assert len(err.strip().splitlines()) == 1 and not os.path.exists(out)
+
+
+def test_train_with_reward_judge_on_stored_trajectories(tmp_path, harm):
+    """The seed's safety path: trajectories -> build_fitset -> judge_fitset -> train --reward judge."""
+    from admm_dist.dist import distributed, read_env
+    from admm_dist.settings import TrainConfig
+    from admm_dist.trainer import Trainer, TrainError
+
+    built, judged = str(tmp_path / "fs.jsonl"), str(tmp_path / "judged.jsonl")
+    assert build_fitset(["--trajectories", str(harm / "t.jsonl"), "--out", built]) == 0
+    assert judge_fitset(["--fitset", built, "--judge", STANDIN, "--out", judged, "--device", "cpu"]) == 0
+
+    def run(cache, **kw):
+        cfg = TrainConfig(task="harmbench", reward="judge", fitset_cache=cache, fit_mode="sft",
+                          model_name=STANDIN, device="cpu", n_agents=4, lora_rank=4, lora_alpha=8.0,
+                          lora_layers_last=2, k_outer=2, local_steps=2, batch_size=2, eta=0.01, rho=0.1,
+                          grad_clip=1.0, dedup_targets=0, out=str(tmp_path / "run"),
+                          report_dir=str(tmp_path / "rep"), quiet=True, **kw)
+        with distributed("cpu", env=read_env({})) as ctx:
+            return Trainer(cfg, ctx).train()
+    with pytest.raises(TrainError, match="judge_fitset"):
+        run(built)
+    rep = run(judged)
+    assert rep["fitset_provenance"] == "file" and rep["fitset_settings"]["judge_fingerprint"]
+    assert rep["node_sizes"] == [2, 2, 2, 2] and os.path.isfile(str(tmp_path / "run-last.safetensors"))
