@@ -19,7 +19,7 @@ from .comm import CommError
 from .dist import DistConfigError, distributed
 from .fitset import FitSetError
 from .settings import TrainConfig
-from .trainer import TrainError, Trainer
+from .trainer import Preempted, TrainError, Trainer
 
 USER_ERRORS = (config_mod.ConfigError, ValueError, TrainError, FitSetError, AdapterError,
                CheckpointError, DistConfigError, NonFiniteError, CommError)
@@ -56,6 +56,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rank = ctx.rank
             trainer = Trainer(cfg, ctx)
             report = trainer.train()
+    except Preempted as e:
+        if rank == 0:
+            print(f"admm_dist.train: {e}", flush=True)
+        return 0
     except USER_ERRORS as e:
         print(f"admm_dist.train: error on rank {rank}: {e}", file=sys.stderr)
         return 1

@@ -39,6 +39,15 @@ from .mas import ChainConfig, ChainRunner
 from .settings import TrainConfig
 
 
+class Preempted(Exception):
+    """SIGUSR2 arrived (SLURM's warning before the time limit): every rank checkpointed the
+    same round and stops; a requeued job continues with ``resume=auto``."""
+
+    def __init__(self, round_: int):
+        super().__init__(f"preempted after round {round_}: checkpoint written; rerun with resume=auto")
+        self.round = round_
+
+
 class TrainError(RuntimeError):
     """A run cannot proceed; the message says why and what to change."""
 
@@ -402,17 +411,45 @@ class Trainer:
         if cfg.resume == "auto":
             self.try_resume()
         root = ckpt.ckpt_root(cfg.out)
-        while self.engine.round < cfg.k_outer:
-            rec = self.engine.step(self.xstep)
-            self.on_round(rec)
-            if cfg.recollect_every and self.engine.round % cfg.recollect_every == 0 \
-                    and self.engine.round < cfg.k_outer:
-                self.recollect(self.engine.round // cfg.recollect_every)
-            if self.engine.round % cfg.checkpoint_every == 0 or self.engine.round == cfg.k_outer:
-                self.checkpoint(root)
-            if any(self._fault("kill", n) for n in self.nodes):
-                os._exit(17)
+        self._preempt = False
+        restore = self._on_usr2()
+        try:
+            while self.engine.round < cfg.k_outer:
+                rec = self.engine.step(self.xstep)
+                self.on_round(rec)
+                if cfg.recollect_every and self.engine.round % cfg.recollect_every == 0 \
+                        and self.engine.round < cfg.k_outer:
+                    self.recollect(self.engine.round // cfg.recollect_every)
+                stop = self.engine.round < cfg.k_outer and self._agree_preempt()
+                if stop or self.engine.round % cfg.checkpoint_every == 0 or self.engine.round == cfg.k_outer:
+                    self.checkpoint(root)
+                if stop:
+                    self.report["preempted_after_round"] = self.engine.round
+                    self.write_report()
+                    raise Preempted(self.engine.round)
+                if any(self._fault("kill", n) for n in self.nodes):
+                    os._exit(17)
+        finally:
+            restore()
         return self.finish()
+
+    def _on_usr2(self) -> Callable[[], None]:
+        """Note SIGUSR2 (acted on at the end of the round); returns the undo."""
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def note(signum, frame):
+            self._preempt = True
+        old = signal.signal(signal.SIGUSR2, note)
+        return lambda: signal.signal(signal.SIGUSR2, old)
+
+    def _agree_preempt(self) -> bool:
+        """True on every rank if SIGUSR2 reached any rank (one tiny gather per round)."""
+        flag = torch.tensor([[float(self._preempt)]] * len(self.nodes), dtype=torch.float64)
+        return bool(self.comm.gather_rows(flag).max().item() > 0)
 
     def on_round(self, rec: RoundRecord) -> None:
         cfg = self.cfg

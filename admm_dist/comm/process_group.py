@@ -82,12 +82,16 @@ class ProcessGroupCommunicator(Communicator):
     def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.dim() != 2 or rows.shape[0] != 1:
             raise ValueError(f"gather_rows expects [1, k] rows on a rank, got {tuple(rows.shape)}")
+        home = rows.device
+        if home.type == "cpu" and dist.get_backend(self.group) == "nccl":
+            # NCCL moves only GPU tensors: small rows take a round trip through the device
+            rows = rows.to(torch.device("cuda", torch.cuda.current_device()))
         rows = rows.contiguous()
         out: List[torch.Tensor] = [torch.empty_like(rows) for _ in range(self.n_nodes)]
         self._meter_gather(rows.shape[1] * rows.element_size())
         work = dist.all_gather(out, rows, group=self.group, async_op=True)
         self._wait([work], "all_gather of telemetry")
-        return torch.cat(out, 0)
+        return torch.cat(out, 0).to(home)
 
     def barrier(self) -> None:
         self._wait([dist.barrier(group=self.group, async_op=True)], "barrier")
