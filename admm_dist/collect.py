@@ -18,6 +18,7 @@ section 5). The trainer derives ``dpo``/``rsft`` from it (:func:`admm_dist.fitse
   those answered right both times; ``anchor_pass_band LO,HI`` keeps queries whose pass rate
   lies strictly inside (LO, HI).
 
+:func:`collect_fitset` is the trainer's whole step (queries, pre-screen, rollouts, filter).
 Work is split in chunks of ``gen_chunk`` queries; chunk c runs on rank c mod world and the
 results are all-gathered (JSON over the communicator's telemetry path), so every rank ends
 with the same fit set as one process would build, and keeps its own seats' examples.
@@ -26,13 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import tasks
-from .fitset import Example
-from .mas import ChainRunner, row_seed
+from . import queries, tasks
+from .fitset import Example, FitSet
+from .mas import ChainConfig, ChainRunner, row_seed
 
 COLLECT_KEY = ("task", "prompt", "think", "n_agents", "adapt_roles", "credit", "reward",
                "fit_mode", "anchors", "group", "seed", "downstream_seed", "sink_tokens",
@@ -233,3 +236,56 @@ def gold_loglik(runner: ChainRunner, item: dict, texts: Sequence[str]) -> float:
         logits = model(input_ids=ids).logits[0, len(p_ids) - 1:-1].float()
     lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(p_ids):, None])
     return float(lp.mean())
+
+
+# --------------------------------------------------------------------------- the trainer's step
+def chain_runner(cfg, model, tokenizer, *, adapter=None, states=None, seat_models=None) -> ChainRunner:
+    """The chain a TrainConfig describes, on ``model`` (the adapter's wrapped backbone)."""
+    runner = ChainRunner(model, tokenizer, ChainConfig(
+        n_agents=cfg.n_agents, prompt=cfg.prompt, words=tasks.get(cfg.task).words, think=cfg.think,
+        context_tokens=cfg.text_mas_context_length, max_new_tokens=cfg.max_new_tokens,
+        sink_tokens=cfg.sink_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+        batch_size=cfg.gen_batch_size), adapter=adapter, seat_states=states, seat_models=seat_models)
+    if cfg.reward == "outcome" and runner.cfg.budget(cfg.n_agents - 1) <= 0:
+        raise ValueError("--reward outcome needs the final agent to generate (--sink_tokens > 0)")
+    return runner
+
+
+def load_seat_models(backbones: Dict[int, str], device, dtype) -> Dict[int, Tuple[Any, Any]]:
+    """``agent_models``: {seat: (model, tokenizer)} loaded from a folder or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = {}
+    for seat, src in backbones.items():
+        local = os.path.isdir(src)
+        try:
+            tok = AutoTokenizer.from_pretrained(src, local_files_only=local)
+            model = AutoModelForCausalLM.from_pretrained(src, local_files_only=local, dtype=dtype)
+        except OSError as e:
+            raise ValueError(f"agent_models seat {seat}: cannot load {src!r} "
+                             f"({str(e).splitlines()[0][:120]})") from None
+        out[seat] = (model.to(device).eval(), tok)
+    return out
+
+
+def collect_fitset(cfg, runner: ChainRunner, *, collection: int = 0, init_sha: str = "none",
+                   rank: int = 0, world: int = 1, exchange: Optional[Exchange] = None) -> FitSet:
+    """One collection of a TrainConfig: pick the queries (the ``collection``-th fresh slice of
+    the pool), pre-screen them, roll out, filter; an ``sft`` FitSet keyed by :func:`collect_key`
+    whose ``anchor_keys`` list every query looked at (the evaluation leakage check uses them)."""
+    t0 = time.time()
+    collector = Collector(runner, cfg.task, cfg.adapted_seats(), group=cfg.group, credit=cfg.credit,
+                          reward=cfg.reward, seed=cfg.seed, downstream_seed=cfg.downstream_seed,
+                          chunk=cfg.gen_chunk, fit_prompt=cfg.fit_prompt, rank=rank, world=world,
+                          exchange=exchange)
+    pool = queries.pool(cfg.task, seed=cfg.seed, split=cfg.anchor_split, path=cfg.task_path)
+    want = max(cfg.anchor_pool or 0, cfg.anchors)
+    cands = queries.training_slice(pool, want, offset=cfg.anchor_offset, collection=collection)
+    stats: Dict[str, Any] = {}
+    items = cands[-cfg.anchors:]
+    if cfg.anchor_pool and cfg.anchor_pool > cfg.anchors:
+        items, stats["prescreen"] = collector.prescreen(cands, cfg.anchors)
+    examples, more = collector.collect(items, pass_band=cfg.pass_band())
+    stats.update(more, collection=collection, seconds=round(time.time() - t0, 2))
+    return FitSet(examples, "sft", collect_key(cfg, init_sha=init_sha, collection=collection), stats,
+                  anchor_keys=[str(it["anchor"]) for it in cands])

@@ -26,16 +26,15 @@ from safetensors.torch import save as st_save
 from . import checkpoint as ckpt
 from . import fitset as fs
 from . import objectives as obj
-from . import queries, tasks
+from . import tasks
 from .adapter import (AdapterConfig, BOnlyLoRA, check_same_basis, hash_to_int64_row,
                       int64_row_to_hash, load_vector, save_vector)
 from .admm import ADMMConfig, ADMMEngine, RoundRecord
-from .collect import Collector, collect_key, gather_json
+from .collect import chain_runner, collect_fitset, collect_key, gather_json, load_seat_models
 from .comm import Communicator, make_communicator
 from .config import dump_yaml
 from .dist import DistContext
 from .io import atomic_write_bytes, atomic_write_json
-from .mas import ChainConfig, ChainRunner
 from .settings import TrainConfig
 
 
@@ -84,6 +83,7 @@ class Trainer:
         self.rank = ctx.rank
         self.talk = (lambda m: None) if (cfg.quiet or ctx.rank != 0) else log
         self.report: Dict[str, object] = {"config": cfg.as_dict()}
+        self._agent_models = None   # agent_models backbones, loaded at the first collection
         self.t_start = time.time()
 
     # ------------------------------------------------------------------ set-up
@@ -203,67 +203,38 @@ class Trainer:
 
     def collect(self, collection: int, states: Dict[int, torch.Tensor]) -> "fs.FitSet":
         """Roll out the MAS on this collection's training queries (every rank a share)."""
-        cfg, t0 = self.cfg, time.time()
-        runner = ChainRunner(self.model, self.tokenizer, ChainConfig(
-            n_agents=cfg.n_agents, prompt=cfg.prompt, words=tasks.get(cfg.task).words, think=cfg.think,
-            context_tokens=cfg.text_mas_context_length, max_new_tokens=cfg.max_new_tokens,
-            sink_tokens=cfg.sink_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-            batch_size=cfg.gen_batch_size), adapter=self.adapter, seat_states=states,
-            seat_models=self._seat_models())
-        if cfg.reward == "outcome" and runner.cfg.budget(cfg.n_agents - 1) <= 0:
-            raise TrainError("--reward outcome needs the final agent to generate (--sink_tokens > 0)")
+        cfg = self.cfg
         distributed = self.ctx.env.is_distributed
-        collector = Collector(runner, cfg.task, cfg.adapted_seats(), group=cfg.group, credit=cfg.credit,
-                              reward=cfg.reward, seed=cfg.seed, downstream_seed=cfg.downstream_seed,
-                              chunk=cfg.gen_chunk, fit_prompt=cfg.fit_prompt,
-                              rank=self.rank if distributed else 0,
-                              world=self.comm.n_nodes if distributed else 1,
-                              exchange=gather_json(self.comm, self.ctx.device) if distributed else None)
-        pool = queries.pool(cfg.task, seed=cfg.seed, split=cfg.anchor_split, path=cfg.task_path)
-        want = max(cfg.anchor_pool or 0, cfg.anchors)
-        cands = queries.training_slice(pool, want, offset=cfg.anchor_offset, collection=collection)
         was_training = self.model.training
         self.model.eval()
         try:
-            stats: Dict[str, object] = {}
-            items = cands[-cfg.anchors:]
-            if cfg.anchor_pool and cfg.anchor_pool > cfg.anchors:
-                items, stats["prescreen"] = collector.prescreen(cands, cfg.anchors)
-            examples, more = collector.collect(items, pass_band=cfg.pass_band())
+            if self._agent_models is None:
+                self._agent_models = load_seat_models(cfg.seat_backbones(), self.ctx.device,
+                                                      next(self.model.parameters()).dtype)
+            runner = chain_runner(cfg, self.model, self.tokenizer, adapter=self.adapter, states=states,
+                                  seat_models=self._agent_models)
+            f = collect_fitset(cfg, runner, collection=collection, init_sha=file_fingerprint(cfg.init_state),
+                               rank=self.rank if distributed else 0,
+                               world=self.comm.n_nodes if distributed else 1,
+                               exchange=gather_json(self.comm, self.ctx.device) if distributed else None)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
         finally:
             self.model.train(was_training)
-        stats.update(more, collection=collection, seconds=round(time.time() - t0, 2))
-        key = collect_key(cfg, init_sha=file_fingerprint(cfg.init_state), collection=collection)
-        f = fs.FitSet(examples, "sft", key, stats, anchor_keys=[str(it["anchor"]) for it in cands])
+        stats = f.stats
         self.report.setdefault("collections", []).append(
             {k: v for k, v in stats.items() if k != "per_group_outcomes"})
         keys = self.report.setdefault("anchor_keys_all", [])
         keys += [k for k in f.anchor_keys if k not in keys]
-        self.talk(f"collection {collection}: {len(items)} queries x {cfg.group} ({cfg.credit}), "
-                  f"{len(examples)} examples, pass rate {stats['mean_pass_rate']:.3f}, "
+        self.talk(f"collection {collection}: {stats['kept_queries']}/{stats['queries']} queries x {cfg.group} "
+                  f"({cfg.credit}), {len(f.examples)} examples, pass rate {stats['mean_pass_rate']:.3f}, "
                   f"mixed groups {stats['mixed_group_rate']:.3f} ({stats['seconds']}s)")
         if collection == 0 and cfg.fitset_cache and self.rank == 0:
-            fs.save_fitset(cfg.fitset_cache, examples, fit_mode="sft", settings=key, stats=stats,
+            fs.save_fitset(cfg.fitset_cache, f.examples, fit_mode="sft", settings=f.settings, stats=stats,
                            anchor_keys=f.anchor_keys)
             self.talk(f"wrote the collected fit set to {cfg.fitset_cache}")
         self.report.update(fitset_provenance="collected")
         return f
-
-    def _seat_models(self):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        out = {}
-        for seat, src in self.cfg.seat_backbones().items():
-            local = os.path.isdir(src)
-            try:
-                tok = AutoTokenizer.from_pretrained(src, local_files_only=local)
-                model = AutoModelForCausalLM.from_pretrained(src, local_files_only=local,
-                                                             dtype=next(self.model.parameters()).dtype)
-            except OSError as e:
-                raise TrainError(f"agent_models seat {seat}: cannot load {src!r} "
-                                 f"({str(e).splitlines()[0][:120]})") from None
-            out[seat] = (model.to(self.ctx.device).eval(), tok)
-        return out
 
     def load_data(self, f: "fs.FitSet"):
         cfg = self.cfg

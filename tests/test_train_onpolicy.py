@@ -104,3 +104,16 @@ def test_killed_rank_resumes_and_recollects_bit_for_bit(tmp_path):
     a = load_file(str(tmp_path / "clean" / "run-last.safetensors"))
     b = load_file(str(tmp_path / "hurt" / "run-last.safetensors"))
     assert torch.equal(a["b"], b["b"])
+
+
+def test_agent_models_puts_another_backbone_in_one_seat(tmp_path):
+    """A compromised seat: seat 1 runs on the random tiny backbone during collection."""
+    tiny = os.path.join(os.path.dirname(str(standin.DEFAULT_DIR)), "tiny", "backbone")
+    kw = dict(anchors=4, group=2, k_outer=1, credit="shared", fit_mode="sft")
+    _local(_cfg(tmp_path / "a", fitset_cache=str(tmp_path / "a.jsonl"), **kw))
+    _local(_cfg(tmp_path / "b", fitset_cache=str(tmp_path / "b.jsonl"), agent_models=f"1={tiny}", **kw))
+    a, b = load_fitset(str(tmp_path / "a.jsonl")), load_fitset(str(tmp_path / "b.jsonl"))
+    seat = lambda f, k: [e.target for e in f.examples if e.seat == k]  # noqa: E731
+    assert seat(a, 0) == seat(b, 0)          # upstream of the swapped seat: unchanged
+    assert seat(a, 1) != seat(b, 1)          # the swapped seat speaks for the other backbone
+    assert b.settings["agent_models"] == f"1={tiny}"
