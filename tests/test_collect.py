@@ -135,3 +135,15 @@ def test_three_gloo_ranks_collect_the_same_fit_set_as_one_process(runner, credit
         got, got_stats = res[rank]
         assert got == want, f"rank {rank} collected a different fit set"
         assert json.loads(got_stats)["per_group_outcomes"] == stats["per_group_outcomes"]
+
+
+def test_fit_prompt_refits_messages_under_the_deployment_prompt(runner):
+    col = Collector(runner, "chain_arith", [1, 2], group=2, credit="shared", seed=0,
+                    fit_prompt="sequential_v2s")
+    items = _items(2)
+    exs, _ = col.collect(items)
+    runs = runner.run(items, samples=2, seed=0)
+    want = [(runner.prompt_text(k, it, r.texts[:k], mode="sequential_v2s"), r.texts[k])
+            for it, rs in zip(items, runs) for r in rs for k in (1, 2)]
+    assert [(e.prompt, e.target) for e in exs] == want        # collected message, deployment prompt
+    assert all("<<<" in e.prompt for e in exs)

@@ -1,0 +1,31 @@
+"""Which rows train and which evaluate: seeded pool order, fresh slices, the leakage refusal."""
+import pytest
+
+from admm_dist import queries
+
+
+def test_pool_is_a_seeded_shuffle_of_the_task():
+    a = queries.pool("chain_arith", seed=1, n=50)
+    assert a == queries.pool("chain_arith", seed=1, n=50)
+    assert a != queries.pool("chain_arith", seed=2, n=50)
+    assert sorted(x["anchor"] for x in a) == sorted(x["anchor"] for x in queries.pool("chain_arith", seed=2, n=50))
+
+
+def test_training_slices_come_from_the_end_and_never_repeat():
+    rows = list(range(20))
+    items = [{"anchor": str(i)} for i in rows]
+    first = queries.training_slice(items, 5)
+    second = queries.training_slice(items, 5, collection=1)
+    assert [x["anchor"] for x in first] == ["15", "16", "17", "18", "19"]
+    assert [x["anchor"] for x in second] == ["10", "11", "12", "13", "14"]
+    assert [x["anchor"] for x in queries.training_slice(items, 5, offset=2, collection=1)] == \
+        ["7", "8", "9", "10", "11"]
+    with pytest.raises(ValueError, match="do not fit"):
+        queries.training_slice(items, 5, collection=3)     # would leave no evaluation row
+    with pytest.raises(ValueError, match="exceeds"):
+        queries.training_slice(items, 5, offset=18)
+    front = queries.evaluation_rows(items, 4)
+    assert [x["anchor"] for x in front] == ["0", "1", "2", "3"]
+    queries.refuse_leaks(front, [x["anchor"] for x in first])   # disjoint: fine
+    with pytest.raises(ValueError, match="1 of 4 evaluation rows"):
+        queries.refuse_leaks(front, ["2", "99"])
