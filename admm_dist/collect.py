@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -251,21 +250,12 @@ def chain_runner(cfg, model, tokenizer, *, adapter=None, states=None, seat_model
     return runner
 
 
-def load_seat_models(backbones: Dict[int, str], device, dtype) -> Dict[int, Tuple[Any, Any]]:
-    """``agent_models``: {seat: (model, tokenizer)} loaded from a folder or a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_seat_models(backbones: Dict[int, str], device) -> Dict[int, Tuple[Any, Any]]:
+    """``agent_models``: {seat: (model, tokenizer)}, each from a folder or a hub id."""
+    from .tools import load_model
 
-    out = {}
-    for seat, src in backbones.items():
-        local = os.path.isdir(src)
-        try:
-            tok = AutoTokenizer.from_pretrained(src, local_files_only=local)
-            model = AutoModelForCausalLM.from_pretrained(src, local_files_only=local, dtype=dtype)
-        except OSError as e:
-            raise ValueError(f"agent_models seat {seat}: cannot load {src!r} "
-                             f"({str(e).splitlines()[0][:120]})") from None
-        out[seat] = (model.to(device).eval(), tok)
-    return out
+    return {seat: load_model(src, device, what=f"agent_models seat {seat}")
+            for seat, src in backbones.items()}
 
 
 def collect_fitset(cfg, runner: ChainRunner, *, collection: int = 0, init_sha: str = "none",

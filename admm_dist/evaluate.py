@@ -40,6 +40,7 @@ from . import queries, tasks
 from .io import atomic_write_bytes, atomic_write_json
 from .mas import ChainConfig, ChainRunner, prompt_modes, role_name
 from .scoring import visible
+from .settings import adapted_seats, parse_agent_models
 from .tools import (OneLineParser, ToolError, check_model_src, load_model, read_json, resolve_device,
                     run_cli)
 
@@ -79,26 +80,6 @@ def build_parser() -> OneLineParser:
     a("--json", default=None, metavar="FILE", help="write the summary here")
     a("--device", choices=("auto", "cpu", "cuda"), default="auto")
     return p
-
-
-def seats_for(adapt_roles: str, n: int) -> List[int]:
-    """Same as settings.TrainConfig.adapted_seats."""
-    return {"all": list(range(n)), "nonsink": list(range(n - 1)), "middle": list(range(1, n - 1))}[adapt_roles]
-
-
-def parse_agent_models(spec: Optional[str], n: int) -> Dict[int, str]:
-    out: Dict[int, str] = {}
-    for part in filter(None, (s.strip() for s in (spec or "").split(","))):
-        seat, eq, path = part.partition("=")
-        if not eq or not seat.strip().isdigit() or not path.strip():
-            raise ToolError(f"--agent_models {part!r}: write SEAT=PATH with SEAT a seat number, e.g. 1=path/to/model")
-        s = int(seat)
-        if not 0 <= s < n:
-            raise ToolError(f"--agent_models: unknown seat {s}: a chain of {n} seats has seats 0..{n - 1}")
-        if s in out:
-            raise ToolError(f"--agent_models: seat {s} is given twice")
-        out[s] = path.strip()
-    return out
 
 
 # --------------------------------------------------------------------------- deployed states
@@ -250,14 +231,14 @@ def prepare(args):
         raise ToolError(f"--n_agents {n}: a chain needs at least one seat")
 
     def seats(run_cfg: dict) -> List[int]:
-        return seats_for(args.adapt_roles or run_cfg.get("adapt_roles") or "all", n)
+        return adapted_seats(args.adapt_roles or run_cfg.get("adapt_roles") or "all", n)
     dep = (from_adapter(args.adapter, args.deploy, seats) if args.adapter else
            from_state(args.state, args.deploy, n, seats) if args.state else None)
     run_cfg = dep.run_config if dep else {}
     model_name = args.model_name or run_cfg.get("model_name")
     if not model_name:
         raise ToolError("pass --model_name (a backbone folder or hub id)")
-    agent_models = parse_agent_models(args.agent_models, n)
+    agent_models = parse_agent_models(args.agent_models, n)   # ValueError: one line, exit 2
     for src, what in [(model_name, "--model_name"), (args.judge, "--judge")] + \
             [(p, "--agent_models") for p in agent_models.values()]:
         if src:

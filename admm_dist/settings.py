@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from .comm import MODES, TOPOLOGIES
 from .mas.prompts import role_name
@@ -24,6 +24,28 @@ NON_SEMANTIC = frozenset({
     "k_outer", "timeout_s", "export_peft", "dry_run", "backend", "device", "dev_every",
     "fault_at", "gen_batch_size",
 })
+
+
+def adapted_seats(adapt_roles: str, n_agents: int) -> List[int]:
+    """The seats that carry an adapter: all, nonsink (not the last) or middle (neither end)."""
+    n = n_agents
+    return {"all": list(range(n)), "nonsink": list(range(n - 1)), "middle": list(range(1, n - 1))}[adapt_roles]
+
+
+def parse_agent_models(spec: Optional[str], n_agents: int) -> Dict[int, str]:
+    """``SEAT=PATH[,SEAT=PATH]`` (a seat on another backbone) as {seat: path or hub id}."""
+    out: Dict[int, str] = {}
+    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+        seat, eq, path = part.partition("=")
+        if not eq or not seat.strip().isdigit() or not path.strip():
+            raise ValueError(f"agent_models {part!r}: write SEAT=PATH with SEAT a seat number, e.g. 1=path/to/model")
+        k = int(seat)
+        if not 0 <= k < n_agents:
+            raise ValueError(f"agent_models: unknown seat {k}: a chain of {n_agents} seats has seats 0..{n_agents - 1}")
+        if k in out:
+            raise ValueError(f"agent_models: seat {k} is given twice")
+        out[k] = path.strip()
+    return out
 
 
 def _choice(name: str, value: str, choices) -> None:
@@ -195,12 +217,7 @@ class TrainConfig:
         return self.seed if self.lora_basis_seed is None else self.lora_basis_seed
 
     def adapted_seats(self):
-        n = self.n_agents
-        if self.adapt_roles == "all":
-            return list(range(n))
-        if self.adapt_roles == "nonsink":
-            return list(range(n - 1))
-        return list(range(1, n - 1))
+        return adapted_seats(self.adapt_roles, self.n_agents)
 
     def pass_band(self):
         """``anchor_pass_band`` as (lo, hi), or None."""
@@ -216,15 +233,7 @@ class TrainConfig:
 
     def seat_backbones(self) -> Dict[int, str]:
         """``agent_models`` as {seat: model path or hub id}."""
-        out: Dict[int, str] = {}
-        for part in filter(None, (self.agent_models or "").split(",")):
-            seat, sep, path = part.partition("=")
-            if not sep or not seat.strip().isdigit() or not path.strip():
-                raise ValueError(f"agent_models={self.agent_models!r}: write SEAT=PATH[,SEAT=PATH], e.g. 1=/models/evil")
-            if not 0 <= int(seat) < self.n_agents:
-                raise ValueError(f"agent_models seat {seat} is outside the chain of {self.n_agents} seats")
-            out[int(seat)] = path.strip()
-        return out
+        return parse_agent_models(self.agent_models, self.n_agents)
 
     def role(self, seat: int) -> str:
         return role_name(seat)

@@ -36,6 +36,7 @@ from .config import dump_yaml
 from .dist import DistContext
 from .io import atomic_write_bytes, atomic_write_json
 from .settings import TrainConfig
+from .tools import load_model
 
 
 class Preempted(Exception):
@@ -108,22 +109,12 @@ class Trainer:
                                  backend=backend)
 
     def load_backbone(self):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        cfg, dev = self.cfg, self.ctx.device
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        src = cfg.model_name
-        local = os.path.isdir(src)
+        """The backbone and tokenizer (bf16 on GPU, fp32 on CPU), through the one loader."""
         try:
-            tok = AutoTokenizer.from_pretrained(src, local_files_only=local)
-            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=local)
-        except OSError as e:
-            raise TrainError(f"cannot load backbone {src!r} ({str(e).splitlines()[0][:160]}): give a "
-                             "local folder or a reachable hub id as --model_name") from None
-        model.to(dev)
+            model, tok = load_model(self.cfg.model_name, self.ctx.device)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
         model.config.use_cache = False
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
         return model, tok
 
     def setup(self) -> None:
@@ -209,8 +200,7 @@ class Trainer:
         self.model.eval()
         try:
             if self._agent_models is None:
-                self._agent_models = load_seat_models(cfg.seat_backbones(), self.ctx.device,
-                                                      next(self.model.parameters()).dtype)
+                self._agent_models = load_seat_models(cfg.seat_backbones(), self.ctx.device)
             runner = chain_runner(cfg, self.model, self.tokenizer, adapter=self.adapter, states=states,
                                   seat_models=self._agent_models)
             f = collect_fitset(cfg, runner, collection=collection, init_sha=file_fingerprint(cfg.init_state),
@@ -225,7 +215,8 @@ class Trainer:
         self.report.setdefault("collections", []).append(
             {k: v for k, v in stats.items() if k != "per_group_outcomes"})
         keys = self.report.setdefault("anchor_keys_all", [])
-        keys += [k for k in f.anchor_keys if k not in keys]
+        seen = set(keys)
+        keys += [k for k in f.anchor_keys if k not in seen]
         self.talk(f"collection {collection}: {stats['kept_queries']}/{stats['queries']} queries x {cfg.group} "
                   f"({cfg.credit}), {len(f.examples)} examples, pass rate {stats['mean_pass_rate']:.3f}, "
                   f"mixed groups {stats['mixed_group_rate']:.3f} ({stats['seconds']}s)")

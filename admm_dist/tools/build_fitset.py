@@ -22,7 +22,8 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from .. import fitset as fs
-from ..evaluate import ROLE_SETS, seats_for
+from ..evaluate import ROLE_SETS
+from ..settings import adapted_seats
 from ..mas import prompt_modes, role_name
 from . import OneLineParser, ToolError, read_jsonl, run_cli
 
@@ -96,7 +97,7 @@ def refit_prompts(chains: List[dict], mode: str, model_name: Optional[str]) -> D
 
 def build(args) -> int:
     chains = read_chains(args.trajectories, args.n_agents)
-    seats = seats_for(args.adapt_roles, args.n_agents)
+    seats = adapted_seats(args.adapt_roles, args.n_agents)
     prompts = refit_prompts(chains, args.fit_prompt, args.model_name) if args.fit_prompt else {}
     examples, anchors, queries = [], {}, {}
     for i, rec in enumerate(chains):
