@@ -43,8 +43,8 @@ class RowSeededSampler:
         s = scores[rows] / self.temperature
         if self.top_p < 1.0:
             sorted_s, order = torch.sort(s, descending=True, dim=-1)
-            cum = torch.softmax(sorted_s, dim=-1).cumsum(-1)
-            drop_sorted = (cum - torch.softmax(sorted_s, dim=-1)) >= self.top_p  # keeps >= 1 token
+            probs = torch.softmax(sorted_s, dim=-1)
+            drop_sorted = (probs.cumsum(-1) - probs) >= self.top_p  # mass before it; keeps >= 1 token
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             s = s.masked_fill(drop, float("-inf"))
         vocab = s.shape[-1]
