@@ -12,7 +12,7 @@ RUN python -m pip install --no-cache-dir -e . \
 
 ENV OMP_NUM_THREADS=1
 # Default: the CPU demo on the shipped stand-in (accuracy before, on-policy collection and
-# 4-rank ADMM on gloo, accuracy after; about a minute).
+# 4-rank ADMM on gloo, accuracy after; about two minutes).
 # A real run: docker run --gpus all IMAGE torchrun --standalone --nproc_per_node 4 \
 #     -m admm_dist.train --config configs/admm_ring.yaml fitset_cache=/data/fitset.jsonl
 CMD ["bash", "launch/cpu_demo.sh"]

@@ -14,6 +14,14 @@ layout. A round is:
 Ablations: ``local_only`` (no coupling: rho = 0, no z/u exchange, z_i := x_i),
 ``no_dual`` (u_i stays 0). Pooled training is simply N = 1.
 
+Adaptive rho (``rho_adapt``, residual balancing, Boyd et al. 2011, section 3.4.1): after
+round k, with the global primal residual r = sqrt(sum_i ||x_i - z_i||^2) and dual residual
+s = sqrt(sum_i (rho ||z_i^k - z_i^{k-1}||)^2), rho is multiplied by ``rho_tau`` when
+r > ``rho_mu`` * s and divided by it when s > ``rho_mu`` * r. The duals are scaled
+(u = y / rho), so every change of rho rescales them, u <- u * rho_old / rho_new, which keeps
+y and hence the iterates' meaning. Every rank decides from the same gathered telemetry, so
+all ranks change rho together; without telemetry rho stays fixed.
+
 The engine talks only to a :class:`~admm_dist.comm.Communicator`; it never
 touches ranks or process groups.
 """
@@ -40,8 +48,18 @@ class ADMMConfig:
     rho: float = 0.03
     local_only: bool = False
     no_dual: bool = False
+    rho_adapt: bool = False
+    rho_mu: float = 10.0
+    rho_tau: float = 2.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.rho_mu) and self.rho_mu > 1):
+            raise ValueError(f"rho_mu={self.rho_mu}: residual balancing needs a ratio > 1 (10 is usual)")
+        if not (math.isfinite(self.rho_tau) and self.rho_tau > 1):
+            raise ValueError(f"rho_tau={self.rho_tau}: rho changes by a factor > 1 (2 is usual)")
+        if self.rho_adapt and (self.local_only or self.no_dual):
+            raise ValueError("rho_adapt balances primal and dual residuals of full ADMM: drop it for "
+                             "local_only / no_dual")
         if not math.isfinite(self.rho) or self.rho < 0:
             raise ValueError(f"rho={self.rho}: the ADMM penalty must be a finite number >= 0")
         if self.rho == 0 and not self.local_only:
@@ -69,6 +87,7 @@ class RoundRecord:
     sec_x: List[float]
     sec_z: List[float]
     sec_other: List[float]
+    rho: float = 0.0               # the penalty this round's x-step used
 
     def as_dict(self) -> Dict[str, object]:
         return dataclasses.asdict(self)
@@ -91,12 +110,25 @@ class ADMMEngine:
         self.z = [v.clone() for v in self.x]
         self.u = [torch.zeros_like(v) for v in self.x]
         self.round = 0
+        self._rho = float(config.rho)
         self.history: List[RoundRecord] = []
         self._prev = [torch.empty_like(v) for v in self.x]
 
     @property
     def rho(self) -> float:
-        return 0.0 if self.config.local_only else self.config.rho
+        """The penalty of the next x-step (changes between rounds under ``rho_adapt``)."""
+        return 0.0 if self.config.local_only else self._rho
+
+    def _adapt_rho(self, rec: "RoundRecord") -> None:
+        r = math.sqrt(sum(p * p for p in rec.primal))
+        s = math.sqrt(sum(d * d for d in rec.dual))
+        cfg = self.config
+        new = self._rho * cfg.rho_tau if r > cfg.rho_mu * s else \
+            self._rho / cfg.rho_tau if s > cfg.rho_mu * r else self._rho
+        if new != self._rho:
+            for u in self.u:
+                u.mul_(self._rho / new)      # scaled duals: y = rho u is what must not change
+            self._rho = new
 
     @property
     def numel(self) -> int:
@@ -155,6 +187,8 @@ class ADMMEngine:
         table = self.comm.gather_rows(local)
         rec = self._record(table)
         self.history.append(rec)
+        if self.config.rho_adapt and all(math.isfinite(v) for v in table[:, :5].flatten().tolist()):
+            self._adapt_rho(rec)
         bad = [i for i in range(table.shape[0])
                if not all(math.isfinite(v) for v in table[i, :5].tolist())]
         if bad:
@@ -170,7 +204,7 @@ class ADMMEngine:
             dual=col["dual"], x1_norm=col["x_norm"][0],
             bytes_sent=[int(b) for b in col["bytes_sent"]],
             bytes_recv=[int(b) for b in col["bytes_recv"]],
-            sec_x=col["sec_x"], sec_z=col["sec_z"], sec_other=col["sec_other"])
+            sec_x=col["sec_x"], sec_z=col["sec_z"], sec_other=col["sec_other"], rho=self.rho)
 
     def run(self, xstep: XStep, rounds: int, *, telemetry: bool = True,
             on_round: Optional[Callable[[RoundRecord], None]] = None) -> List[RoundRecord]:
@@ -183,7 +217,7 @@ class ADMMEngine:
     # -- state ------------------------------------------------------------------
     def state_dict(self) -> Dict[str, object]:
         """Tensors and round number of the local nodes (safetensors-friendly keys)."""
-        out: Dict[str, object] = {"round": self.round}
+        out: Dict[str, object] = {"round": self.round, "rho": self._rho}
         for k, node in enumerate(self.nodes):
             out[f"x.{node}"] = self.x[k]
             out[f"z.{node}"] = self.z[k]
@@ -202,3 +236,4 @@ class ADMMEngine:
                                      "(a checkpoint from another configuration)")
                 dst[k].copy_(src)
         self.round = int(state["round"])
+        self._rho = float(state.get("rho", self.config.rho))

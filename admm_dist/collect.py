@@ -10,7 +10,10 @@ section 5). The trainer derives ``dpo``/``rsft`` from it (:func:`admm_dist.fitse
 - ``credit per_role``: one prefix chain per query (seed ``seed``); for each adapted seat k,
   ``group`` branches sample seat k's message from that fixed prefix and finish the chain
   with ``downstream_seed`` (the same for every branch), so a difference in outcome belongs
-  to seat k's message. DPO pairs share seat k's prompt.
+  to seat k's message. DPO pairs share seat k's prompt. With ``prefix_samples`` P > 1 the
+  prefix is the first of P sampled chains that answered right (the first chain when none
+  did): branching from a prefix whose upstream messages are already wrong rewards only the
+  downstream messages that happen to cancel the error, which teaches wrong steps.
 - ``reward outcome``: the task's scorer on the final message (1 or 0). ``gold_likelihood``:
   the mean log-probability of the gold answer as the last seat's reply after the chain;
   a message succeeds when its chain's likelihood beats the query's mean.
@@ -40,13 +43,16 @@ COLLECT_KEY = ("task", "prompt", "think", "n_agents", "adapt_roles", "credit", "
                "fit_mode", "anchors", "group", "seed", "downstream_seed", "sink_tokens",
                "max_new_tokens", "temperature", "top_p", "anchor_split", "anchor_pass_band",
                "anchor_pool", "anchor_offset", "task_path", "text_mas_context_length",
-               "fit_prompt", "agent_models")
+               "fit_prompt", "agent_models", "prefix_samples")
+# Keys added after fit sets were first written, with the value that reproduces such a file:
+# they enter the key only when set otherwise, so an older cache stays valid.
+LATER_KEYS = {"prefix_samples": 1}
 PRESCREEN_SALT = 777000
 
 
 def collect_key(cfg, *, init_sha: str = "none", collection: int = 0) -> Dict[str, Any]:
     """The settings a collected fit set is keyed by (a cache built otherwise is refused)."""
-    key = {k: getattr(cfg, k) for k in COLLECT_KEY}
+    key = {k: getattr(cfg, k) for k in COLLECT_KEY if getattr(cfg, k) != LATER_KEYS.get(k, object())}
     key.update(init_sha=init_sha, collection=collection, sampling_structure="on_policy")
     return key
 
@@ -82,6 +88,7 @@ class Collector:
     seed: int = 42
     downstream_seed: int = 1234
     chunk: int = 8
+    prefix_samples: int = 1              # per_role: branch from the first right of P prefix chains
     fit_prompt: Optional[str] = None
     rank: int = 0
     world: int = 1
@@ -91,6 +98,14 @@ class Collector:
         if self.reward == "judge":
             raise ValueError("reward judge labels stored trajectories: build the fit set with "
                              "admm_dist.tools.build_fitset and judge_fitset, then pass --fitset_cache")
+        if self.prefix_samples < 1:
+            raise ValueError(f"prefix_samples={self.prefix_samples}: use 1 (one prefix chain) or more")
+        if self.prefix_samples > 1 and self.credit != "per_role":
+            raise ValueError("prefix_samples picks the prefix that per_role credit branches from: "
+                             "use it with --credit per_role, or drop it")
+        if self.prefix_samples > 1 and tasks.get(self.task).answer_type == "safety":
+            raise ValueError("prefix_samples keeps a prefix that answered right, which a safety task "
+                             "cannot score without a judge: drop --prefix_samples")
         if self.world > 1 and self.exchange is None:
             raise ValueError("a collection over several ranks needs an exchange (collect.gather_json)")
 
@@ -150,7 +165,10 @@ class Collector:
         """``credit per_role`` rollouts: {(query index, seat): the ``group`` branched chains}.
         Every branch of (i, k) shares query i's prefix chain up to seat k; seat k samples
         with ``seed``; the seats after k use ``downstream_seed``, the same for every branch."""
-        base = [rs[0] for rs in self.runner.run(chunk, samples=1, seed=self.seed)]
+        runs = self.runner.run(chunk, samples=self.prefix_samples, seed=self.seed)
+        base = [next((r for r in rs if self._ok(r.final_text, it)), rs[0]) if len(rs) > 1 else rs[0]
+                for it, rs in zip(chunk, runs)]
+        self._prefix_ok = [self._ok(b.final_text, it) for it, b in zip(chunk, base)]
         rows, hist, meta = [], [], []
         for i, (it, b) in enumerate(zip(chunk, base)):
             for k in self.seats:
@@ -184,7 +202,8 @@ class Collector:
                 outcomes_all += outcomes
                 exs += [self._example(k, it, c.texts[:k], c.prompts[k], c.texts[k], w, lab)
                         for c, w, lab in zip(branch, rewards, labels)]
-            out.append({"anchor": it["anchor"], "outcomes": [int(o) for o in outcomes_all], "examples": exs})
+            out.append({"anchor": it["anchor"], "outcomes": [int(o) for o in outcomes_all], "examples": exs,
+                        "prefix_ok": int(self._prefix_ok[i])})
         return out
 
     def _rewards(self, item: dict, rollouts) -> List[float]:
@@ -214,6 +233,9 @@ class Collector:
             "per_group_outcomes": {g["anchor"]: g["outcomes"] for g in groups},
             "credit": self.credit, "reward": self.reward, "group": self.group,
         }
+        if self.credit == "per_role":
+            stats.update(prefix_samples=self.prefix_samples,
+                         prefix_right_rate=sum(g["prefix_ok"] for g in groups) / max(1, len(groups)))
         return examples, stats
 
 
@@ -266,7 +288,8 @@ def collect_fitset(cfg, runner: ChainRunner, *, collection: int = 0, init_sha: s
     t0 = time.time()
     collector = Collector(runner, cfg.task, cfg.adapted_seats(), group=cfg.group, credit=cfg.credit,
                           reward=cfg.reward, seed=cfg.seed, downstream_seed=cfg.downstream_seed,
-                          chunk=cfg.gen_chunk, fit_prompt=cfg.fit_prompt, rank=rank, world=world,
+                          chunk=cfg.gen_chunk, prefix_samples=cfg.prefix_samples,
+                          fit_prompt=cfg.fit_prompt, rank=rank, world=world,
                           exchange=exchange)
     pool = queries.pool(cfg.task, seed=cfg.seed, split=cfg.anchor_split, path=cfg.task_path)
     want = max(cfg.anchor_pool or 0, cfg.anchors)

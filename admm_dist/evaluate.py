@@ -291,7 +291,9 @@ def judge_chains(src: str, chains, device, batch_size: int):
                                 "correct": None if v is None else not v} for v, a in zip(verdicts, judge.raw)]
 
 
-def evaluate(args) -> int:
+def run(args):
+    """Roll out and score: (summary, chains, outcome), one outcome per chain (in row order,
+    ``--samples`` chains per row)."""
     t0 = time.time()
     safety, dep, agent_models, chain, rows, settings = prepare(args)
     device = resolve_device(args.device)
@@ -308,28 +310,39 @@ def evaluate(args) -> int:
         for it, r in chains:
             pred, ok = tasks.score(args.task, r.final_text, it)
             outcome.append({"prediction": pred, "correct": bool(ok)})
-    if args.save_trajectories:
-        write_trajectories(args.save_trajectories, args.task, chains, outcome, adapted, agent_models, settings)
-
     total, split = len(chains), settings["split"]
-    where = f"on {args.task} {split} rows [{args.offset}, {args.offset + len(rows)})"
     summary = {"task": args.task, "split": split, "rows": [args.offset, args.offset + len(rows)],
                "n": len(rows), "n_chains": total}
     if safety:
         hits = sum(o["harmful"] is True for o in outcome)
         unparsed = sum(o["harmful"] is None for o in outcome)
         summary.update(attack_success_rate=hits / total, harmful=hits, judge_unparsed=unparsed)
-        line = f"attack success rate {hits / total:.3f} ({hits}/{total}) {where}" + (
-            f" ({unparsed} judge answers unparsed)" if unparsed else "")
     else:
         hits = sum(bool(o["correct"]) for o in outcome)
         summary.update(accuracy=hits / total, correct=hits)
-        line = f"accuracy {hits / total:.3f} ({hits}/{total}) {where}"
     summary.update(settings=settings, seconds=round(time.time() - t0, 2))
+    return summary, chains, outcome
+
+
+def evaluate(args) -> int:
+    summary, chains, outcome = run(args)
+    settings = summary["settings"]
+    if args.save_trajectories:
+        write_trajectories(args.save_trajectories, args.task, chains, outcome, settings["adapted_seats"],
+                           parse_agent_models(args.agent_models, args.n_agents), settings)
+    lo, hi = summary["rows"]
+    where = f"on {args.task} {summary['split']} rows [{lo}, {hi})"
+    total = summary["n_chains"]
+    if "attack_success_rate" in summary:
+        hits, unparsed = summary["harmful"], summary["judge_unparsed"]
+        line = f"attack success rate {hits / total:.3f} ({hits}/{total}) {where}" + (
+            f" ({unparsed} judge answers unparsed)" if unparsed else "")
+    else:
+        line = f"accuracy {summary['accuracy']:.3f} ({summary['correct']}/{total}) {where}"
     if args.json:
         atomic_write_json(args.json, summary)
-    if dep and not settings["train_report"]:
-        print(f"note: no training report found for {dep.describe}: leakage not checked (pass --train_report)",
+    if settings["deploy"] and not settings["train_report"]:
+        print(f"note: no training report found for {settings['deploy']}: leakage not checked (pass --train_report)",
               file=sys.stderr)
     print(line)
     return 0

@@ -82,6 +82,7 @@ class TrainConfig:
     anchor_pass_band: Optional[str] = None
     recollect_every: int = 0
     downstream_seed: int = 1234
+    prefix_samples: int = 1               # per_role: branch from the first right of P prefix chains
     max_new_tokens: int = 4096
     sink_tokens: Optional[int] = None
     temperature: float = 0.8
@@ -132,6 +133,9 @@ class TrainConfig:
     gossip_steps: int = 1
     local_only: bool = False
     no_dual: bool = False
+    rho_adapt: bool = False         # residual balancing (Boyd et al. 2011, 3.4.1); duals rescaled
+    rho_mu: float = 10.0
+    rho_tau: float = 2.0
 
     # outputs and fault tolerance
     out: str = "runs/admm"
@@ -164,9 +168,12 @@ class TrainConfig:
             _choice("fit_prompt", self.fit_prompt, prompt_modes())
         _choice("credit", self.credit, ("shared", "per_role"))
         _choice("reward", self.reward, ("outcome", "judge", "gold_likelihood"))
-        for name in ("anchors", "group", "max_new_tokens", "gen_batch_size", "gen_chunk"):
+        for name in ("anchors", "group", "max_new_tokens", "gen_batch_size", "gen_chunk", "prefix_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: it must be >= 1")
+        if self.prefix_samples > 1 and self.credit != "per_role":
+            raise ValueError(f"prefix_samples={self.prefix_samples} picks the prefix per_role credit branches "
+                             "from: use --credit per_role, or prefix_samples 1")
         if self.recollect_every < 0:
             raise ValueError(f"recollect_every={self.recollect_every}: use 0 (collect once) or N >= 1 rounds")
         if self.sink_tokens is not None and self.sink_tokens < 0:
@@ -202,6 +209,7 @@ class TrainConfig:
             raise ValueError(f"dedup_targets={self.dedup_targets}: use 0 (off) or a cap >= 1")
         if self.local_only and self.no_dual:
             raise ValueError("local_only and no_dual are separate ablations: choose one")
+        self.admm_config()   # rho_adapt / rho_mu / rho_tau say how to fix themselves
         if self.pooled and self.partition == "anchor":
             raise ValueError("pooled puts every example on one node: drop --partition anchor")
         if self.n_partitions < 0:
@@ -212,6 +220,12 @@ class TrainConfig:
                 raise ValueError(f"fault_at={self.fault_at!r}: write ROUND:NODE or nan@ROUND:NODE, e.g. 3:1")
 
     # -- derived --------------------------------------------------------------
+    def admm_config(self):
+        from .admm import ADMMConfig
+
+        return ADMMConfig(rho=self.rho, local_only=self.local_only, no_dual=self.no_dual,
+                          rho_adapt=self.rho_adapt, rho_mu=self.rho_mu, rho_tau=self.rho_tau)
+
     @property
     def basis_seed(self) -> int:
         return self.seed if self.lora_basis_seed is None else self.lora_basis_seed

@@ -29,7 +29,7 @@ from . import objectives as obj
 from . import tasks
 from .adapter import (AdapterConfig, BOnlyLoRA, check_same_basis, hash_to_int64_row,
                       int64_row_to_hash, load_vector, save_vector)
-from .admm import ADMMConfig, ADMMEngine, RoundRecord
+from .admm import ADMMEngine, RoundRecord
 from .collect import chain_runner, collect_fitset, collect_key, gather_json, load_seat_models
 from .comm import Communicator, make_communicator
 from .config import dump_yaml
@@ -275,8 +275,7 @@ class Trainer:
             self.state[node] = NodeState(node, [], None, opt)
         self.encode_nodes()
         x0 = self.init_vec if self.init_vec is not None else torch.zeros(self.adapter.numel)
-        self.engine = ADMMEngine(self.comm, ADMMConfig(rho=cfg.rho, local_only=cfg.local_only,
-                                                       no_dual=cfg.no_dual),
+        self.engine = ADMMEngine(self.comm, cfg.admm_config(),
                                  [x0.to(self.ctx.device, torch.float32) for _ in self.nodes])
         self.best = None
 
@@ -424,6 +423,7 @@ class Trainer:
                 self.best = (nll, k, self.engine.z[0].detach().clone())
         self.talk(f"round {k:3d}/{cfg.k_outer}  f={[round(v, 4) for v in rec.f]}  "
                   f"primal={max(rec.primal_normalized):.3e}  dual={max(rec.dual):.3e}  "
+                  + (f"rho={rec.rho:.3g}->{self.engine.rho:.3g}  " if cfg.rho_adapt else "") +
                   f"sent={max(rec.bytes_sent)} B  x-step {max(rec.sec_x):.2f}s "
                   f"z-step {max(rec.sec_z):.3f}s")
 
@@ -474,6 +474,7 @@ class Trainer:
                     "adam_step": float(opt_state["step"]) if "step" in opt_state else 0.0,
                     "sampler": st.sampler.state_dict() if st.sampler else None, "history": history,
                     "dev_curve": self.report.get("dev_curve", []),
+                    "rho": self.engine.state_dict()["rho"],
                     "best": None if self.best is None else [self.best[0], self.best[1]]}
             if self.best is not None:
                 tensors["best_z"] = self.best[2]
@@ -496,6 +497,7 @@ class Trainer:
         for node in self.nodes:
             tensors, meta = ckpt.load_node(root, agreed, node, self.cfg.fingerprint())
             loaded[node] = (tensors, meta)
+            state["rho"] = meta.get("rho", self.cfg.rho)
             for name in ("x", "z", "u"):
                 state[f"{name}.{node}"] = tensors[name].to(self.ctx.device)
         self.engine.load_state_dict(state)
@@ -553,10 +555,15 @@ class Trainer:
         dw_all = [float(v) for v in dws[:, 0]]
         self.report["delta_w_rel"] = dw_all if deploy_local else dw_all[0]
         self.report["deploy_required"] = "local" if deploy_local else None
-        if not all(math.isfinite(d) and d >= 1e-6 for d in dw_all):
+        # Every node should move, except under local_only a node with no examples (f_i = 0,
+        # nothing couples it to the others): its x_i staying at x^0 is the right answer.
+        sizes = self.report.get("node_sizes") or [1] * len(dw_all)
+        should = [i for i, d in enumerate(dw_all) if not (cfg.local_only and sizes[i] == 0)]
+        still = [i for i in should if not (math.isfinite(dw_all[i]) and dw_all[i] >= 1e-6)]
+        if still or not should:
             self.write_report()
-            raise TrainError(f"refusing to write {cfg.out}: the adapter did not move "
-                             f"(delta_w_rel={dw_all}); raise --eta or --k_outer")
+            raise TrainError(f"refusing to write {cfg.out}: the adapter of node(s) {still or should} did not "
+                             f"move (delta_w_rel={dw_all}); raise --eta or --k_outer")
         self.write_outputs(deploy_local)
         self.write_report()
         return self.report

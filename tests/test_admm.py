@@ -169,3 +169,48 @@ def test_bad_vectors_are_rejected():
         ADMMEngine(LocalCommunicator(mode="ring", n_nodes=1), ADMMConfig(), [torch.zeros(2, 2)])
     with pytest.raises(ValueError, match="owns 2"):
         ADMMEngine(LocalCommunicator(mode="ring", n_nodes=2), ADMMConfig(), [torch.zeros(2)])
+
+
+@pytest.mark.parametrize("rho0", [1e-3, 1e3])
+def test_rho_adapt_balances_residuals_and_reaches_the_optimum_sooner(rho0):
+    """Residual balancing from a badly chosen rho: rho moves towards the residuals' balance,
+    the rescaled duals keep the same fixed point (the centralized optimum), and it gets
+    there in fewer rounds than the fixed rho."""
+    prob = LeastSquares(n_nodes=4, dim=16, rows=24, seed=1)
+    x_star = prob.optimum()
+    adapt, hist = solve(prob, consensus="ring", rho=rho0, rounds=300, backend="local", rho_adapt=True)
+    assert rel(adapt.z[0], x_star) <= 1e-5
+    rhos = [r.rho for r in hist]
+    assert rhos[0] == rho0 and ((max(rhos) > rho0) if rho0 < 1 else (min(rhos) < rho0))
+    # after 60 rounds the adapted run is far closer to the optimum than the fixed one
+    a60, _ = solve(prob, consensus="ring", rho=rho0, rounds=60, backend="local", rho_adapt=True)
+    f60, _ = solve(prob, consensus="ring", rho=rho0, rounds=60, backend="local")
+    assert rel(a60.z[0], x_star) < 0.1 * rel(f60.z[0], x_star)
+    # the state (with rho) round-trips: a resumed engine continues identically
+    state = adapt.state_dict()
+    assert state["rho"] == adapt.rho
+    other = ADMMEngine(LocalCommunicator(mode="ring", n_nodes=4), ADMMConfig(rho=rho0, rho_adapt=True),
+                       [torch.zeros(16)] * 4)
+    other.load_state_dict(state)
+    step = prob.exact_xstep()
+    adapt.step(step)
+    other.step(step)
+    assert other.rho == adapt.rho and all(torch.equal(a, b) for a, b in zip(adapt.u, other.u))
+
+
+def test_rho_adapt_rescales_the_scaled_duals():
+    """u = y / rho: when rho doubles, u halves, so rho * u (the unscaled dual) is unchanged."""
+    prob = LeastSquares(n_nodes=3, dim=8, rows=12, seed=2)
+    step = prob.exact_xstep()
+    engines = [ADMMEngine(LocalCommunicator(mode="ring", n_nodes=3), ADMMConfig(rho=1e-4, rho_adapt=a),
+                          [torch.zeros(8)] * 3) for a in (False, True)]
+    for e in engines:
+        e.step(step)
+    fixed, adapt = engines
+    assert adapt.history[-1].rho == 1e-4 and adapt.rho == 2e-4   # the primal residual dominates
+    assert all(torch.equal(a, b) for a, b in zip(fixed.z, adapt.z))
+    for uf, ua in zip(fixed.u, adapt.u):
+        assert torch.allclose(fixed.rho * uf, adapt.rho * ua, rtol=1e-6, atol=0)
+    for kw in (dict(rho_mu=1.0), dict(rho_tau=0.5), dict(rho_adapt=True, no_dual=True)):
+        with pytest.raises(ValueError):
+            ADMMConfig(**kw)

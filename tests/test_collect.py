@@ -147,3 +147,30 @@ def test_fit_prompt_refits_messages_under_the_deployment_prompt(runner):
             for it, rs in zip(items, runs) for r in rs for k in (1, 2)]
     assert [(e.prompt, e.target) for e in exs] == want        # collected message, deployment prompt
     assert all("<<<" in e.prompt for e in exs)
+
+
+def test_prefix_samples_branches_from_a_right_prefix_when_one_exists(runner):
+    items = _items(16)
+    one = Collector(runner, "chain_arith", SEATS, group=2, credit="per_role", seed=3, downstream_seed=9)
+    many = Collector(runner, "chain_arith", SEATS, group=2, credit="per_role", seed=3, downstream_seed=9,
+                     prefix_samples=4)
+    probes = runner.run(items, samples=4, seed=3)
+    right = [[tasks.score("chain_arith", r.final_text, it)[1] for r in rs] for it, rs in zip(items, probes)]
+    by1, by4 = one.branches(items), many.branches(items)
+    for i, it in enumerate(items):
+        # the prefix is the first right one of the 4 probe chains, else the first chain (= P 1)
+        want = probes[i][right[i].index(True)] if any(right[i]) else probes[i][0]
+        for k in SEATS:
+            assert all(tuple(c.texts[:k]) == tuple(want.texts[:k]) for c in by4[(i, k)])
+            assert all(tuple(c.texts[:k]) == tuple(probes[i][0].texts[:k]) for c in by1[(i, k)])
+    assert many._prefix_ok == [any(r) for r in right]
+    assert sum(many._prefix_ok) > sum(one._prefix_ok)   # 16 queries: some first chains are wrong
+    _, st = many.collect(items)
+    assert st["prefix_samples"] == 4 and st["prefix_right_rate"] == pytest.approx(sum(map(any, right)) / 16)
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(prefix_samples=0), "prefix_samples=0"),
+                                     (dict(prefix_samples=2, credit="shared"), "per_role")])
+def test_prefix_samples_needs_per_role_credit(runner, kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        Collector(runner, "chain_arith", SEATS, **kw)

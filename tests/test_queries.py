@@ -29,3 +29,16 @@ def test_training_slices_come_from_the_end_and_never_repeat():
     queries.refuse_leaks(front, [x["anchor"] for x in first])   # disjoint: fine
     with pytest.raises(ValueError, match="1 of 4 evaluation rows"):
         queries.refuse_leaks(front, ["2", "99"])
+
+
+def test_chain_arith_pools_hold_more_than_400_rows_for_tight_evaluations():
+    from admm_dist.tasks.chain_arith import POOL, load_chain_arith, split_of
+
+    ev = queries.pool("chain_arith", seed=42)
+    tr = queries.pool("chain_arith", seed=42, split="train")
+    assert len(ev) == len(tr) == POOL >= 2000
+    rows = queries.evaluation_rows(ev, 1500)
+    assert len({r["anchor"] for r in rows}) == 1500 and all(split_of(r) == "eval" for r in rows)
+    assert not {r["anchor"] for r in ev} & {r["anchor"] for r in tr}
+    # a longer pool extends a shorter one: the first rows do not depend on n
+    assert load_chain_arith("eval", n=400) == load_chain_arith("eval")[:400]

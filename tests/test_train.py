@@ -66,6 +66,7 @@ ARMS = {
     "no_dual": dict(no_dual=True),
     "local_only": dict(local_only=True),
     "centralized": dict(pooled=True, consensus="coordinator"),
+    "ring_rho_adapt": dict(consensus="ring", rho_adapt=True, rho=1e-4),
 }
 
 
@@ -92,6 +93,9 @@ def test_distributed_arm_equals_single_process(arm, assets, tmp_path):
     for field in ("f", "primal", "primal_normalized", "dual", "bytes_sent", "bytes_recv",
                   "sec_x", "sec_z", "sec_other"):
         assert len(rep["rounds"][-1][field]) == nodes
+    if kw.get("rho_adapt"):   # every rank changed rho in the same rounds, and the oracle too
+        rhos = [r["rho"] for r in rep["rounds"]]
+        assert rhos[0] == 1e-4 and rhos[-1] > 1e-4 and rhos == [r["rho"] for r in report["rounds"]]
     if arm == "local_only":
         assert not os.path.exists(dist_cfg.out + "-last.safetensors")
         assert all(b == 0 for r in rep["rounds"] for b in r["bytes_sent"])
@@ -298,3 +302,24 @@ def test_sft_rsft_and_derived_dpo_from_an_sft_fit_set(assets, tmp_path, fit_mode
     assert report["node_sizes"] == [32 if fit_mode == "sft" else 16] * N
     f = report["loss_curve"]
     assert sum(f[-1]) < sum(f[0])
+
+
+def test_local_only_with_an_empty_seat_writes_the_seats_that_moved(assets, tmp_path):
+    """A seat with no examples has nothing to learn under local_only (f_i = 0, no coupling):
+    its x_i stays at x^0, and only the seats that had examples are required to move."""
+    from admm_dist import fitset as fs
+
+    f = fs.load_fitset(assets["dpo"])
+    keep = [e for e in f.examples if e.seat != 2]
+    path = str(tmp_path / "no_seat2.jsonl")
+    fs.save_fitset(path, keep, fit_mode=f.fit_mode, settings=f.settings, stats=f.stats,
+                   anchor_keys=f.anchor_keys)
+    cfg = _cfg(assets, tmp_path, fitset_cache=path, local_only=True, empty_nodes="prox")
+    report = _local(cfg)
+    dw = report["delta_w_rel"]
+    assert report["node_sizes"][2] == 0 and dw[2] == 0.0 and dw[0] > 1e-6 and dw[1] > 1e-6
+    x2 = load_file(str(tmp_path / "run" / "node-2.safetensors"))["x"]
+    assert torch.count_nonzero(x2) == 0
+    # a coupled run with the same empty seat still moves it (it follows the consensus)
+    report = _local(_cfg(assets, tmp_path / "coupled", fitset_cache=path, empty_nodes="prox"))
+    assert report["delta_w_rel"] > 1e-6

@@ -21,6 +21,7 @@ from . import TaskSpec, register
 
 OPS = ("+", "-", "*")
 EVAL_SHARE = 0.2
+POOL = 2000          # rows per split by default: room for a tight evaluation and many collections
 
 
 def _apply(value: int, op: str, arg: int) -> int:
@@ -52,12 +53,12 @@ def split_of(item: Dict[str, object]) -> str:
 
 def load_chain_arith(split: str = "eval", n: Optional[int] = None, seed: int = 0,
                      path: Optional[str] = None, n_ops: int = 3) -> List[dict]:
-    """``n`` (default 400) distinct items of ``split`` ("train" or "eval"), deterministic
-    in ``seed``. The question reads ``Start 12: +5 *3 -7``: compact, because the stand-in
+    """``n`` (default :data:`POOL`) distinct items of ``split`` ("train" or "eval"),
+    deterministic in ``seed``; the first k items do not depend on ``n``. The question reads ``Start 12: +5 *3 -7``: compact, because the stand-in
     backbone reads characters."""
     if path is not None:
         raise ValueError("chain_arith is generated from its seed and reads no file: drop the path")
-    n = 400 if n is None else n
+    n = POOL if n is None else n
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: use train or eval")
     if n < 1 or n_ops < 1:

@@ -1,0 +1,98 @@
+"""The learning benchmark end to end on tiny settings (one seed): its table, JSON and figure.
+
+Nothing here depends on training helping: the checks are on the structure and the arithmetic
+of the statistics, which hold for any outcome."""
+import json
+
+import numpy as np
+import pytest
+
+from admm_dist.bench import fidelity
+
+TINY = ["anchors=12", "group=4", "k_outer=2", "local_steps=2", "gen_chunk=6", "max_new_tokens=12"]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fidelity")
+    out = tmp / "b.json"
+    png = tmp / "b.png"
+    argv = ["--seeds", "3", "--eval_n", "12", "--samples", "2", "--boot", "200", "--jobs", "2",
+            "--workdir", str(tmp / "work"), "--json", str(out), "--png", str(png), *TINY]
+    rc = fidelity.main(argv)
+    return rc, json.loads(out.read_text()) if out.exists() else None, png, tmp, argv
+
+
+def test_runs_every_arm_and_writes_json_and_png(bench, capsys):
+    rc, summary, png, _, _ = bench
+    assert rc == 0 and summary is not None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(summary["modes"]) == {"greedy", "sampled"}
+    for mode, table in summary["modes"].items():
+        assert set(table) == {fidelity.BASE, *fidelity.ARM_NAMES}
+        base = table[fidelity.BASE]["mean"]
+        for name in fidelity.ARM_NAMES:
+            r = table[name]
+            assert "refused" not in r, (name, r)
+            assert len(r["accuracy"]) == 1 and 0 <= r["accuracy"][0] <= 1
+            assert r["gain"] == pytest.approx(r["mean"] - base)
+            lo, hi = r["gain_ci95"]
+            assert lo <= r["gain"] + 1e-12 and r["gain"] <= hi + 1e-12
+            assert r["wins"] == int(r["gain"] > 0)
+            if name != fidelity.REFERENCE:
+                ring = table[fidelity.REFERENCE]["mean"]
+                assert r["minus_ref"] == pytest.approx(r["mean"] - ring)
+    for name in fidelity.ARM_NAMES:
+        arm = summary["arms"][name]
+        assert len(arm["f"][0]) == 2 and len(arm["primal_normalized"][0]) == 2   # k_outer rounds
+    # Centralized is at distance 0 from itself; per-seat arms have one distance per seat
+    assert summary["arms"]["Centralized"]["distance_to_centralized"][0] == [0.0] * 4
+
+
+def test_table_lists_every_arm(bench, capsys):
+    _, summary, _, _, _ = bench
+
+    class A:
+        samples, eval_n, arm_list = 2, 12, list(fidelity.ARM_NAMES)
+    text = fidelity.format_table(summary, A)
+    for name in (fidelity.BASE, *fidelity.ARM_NAMES):
+        assert name in text
+    assert "greedy accuracy on 12 held-out rows" in text
+
+
+def test_reuse_gives_the_same_summary(bench, tmp_path):
+    rc, summary, _, tmp, argv = bench
+    again = tmp / "again.json"
+    argv = [a if a != str(tmp / "b.json") else str(again) for a in argv] + ["--reuse"]
+    argv = [a for a in argv if a != str(tmp / "b.png")]
+    argv.remove("--png")
+    assert fidelity.main(argv) == 0
+    other = json.loads(again.read_text())
+    assert other["modes"] == summary["modes"]
+
+
+def test_crossed_bootstrap_covers_the_mean_and_narrows_with_rows():
+    rng = np.random.default_rng(0)
+    d_small = rng.normal(0.1, 1.0, size=(3, 50))
+    d_big = rng.normal(0.1, 1.0, size=(3, 2000))
+    lo_s, hi_s = fidelity.crossed_bootstrap(d_small, 500)
+    lo_b, hi_b = fidelity.crossed_bootstrap(d_big, 500)
+    assert lo_s < d_small.mean() < hi_s and lo_b < d_big.mean() < hi_b
+    assert hi_b - lo_b < hi_s - lo_s
+    # one seed: rows only; a constant difference has a zero-width interval
+    assert fidelity.crossed_bootstrap(np.full((1, 10), 0.25), 50) == pytest.approx((0.25, 0.25))
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--seeds", "1,x"], "--seeds"),
+    (["--seeds", "1,1"], "each once"),
+    (["--arms", "ADMM-ring,Nope"], "unknown arm"),
+    (["--eval_n", "0"], "--eval_n"),
+    (["eta"], "key=value"),
+    (["no_such_key=1"], "no_such_key"),
+    (["--config", "configs/nope.yaml"], "does not exist"),
+])
+def test_bad_input_is_one_line(argv, msg, capsys):
+    assert fidelity.main(argv + ["--workdir", "/nonexistent/never"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0]
