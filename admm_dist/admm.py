@@ -20,7 +20,8 @@ s = sqrt(sum_i (rho ||z_i^k - z_i^{k-1}||)^2), rho is multiplied by ``rho_tau`` 
 r > ``rho_mu`` * s and divided by it when s > ``rho_mu`` * r. The duals are scaled
 (u = y / rho), so every change of rho rescales them, u <- u * rho_old / rho_new, which keeps
 y and hence the iterates' meaning. Every rank decides from the same gathered telemetry, so
-all ranks change rho together; without telemetry rho stays fixed.
+all ranks change rho together; without telemetry, or with a single node (pooled: there is no
+consensus to balance), rho stays fixed.
 
 The engine talks only to a :class:`~admm_dist.comm.Communicator`; it never
 touches ranks or process groups.
@@ -187,7 +188,8 @@ class ADMMEngine:
         table = self.comm.gather_rows(local)
         rec = self._record(table)
         self.history.append(rec)
-        if self.config.rho_adapt and all(math.isfinite(v) for v in table[:, :5].flatten().tolist()):
+        if self.config.rho_adapt and self.comm.n_nodes > 1 and \
+                all(math.isfinite(v) for v in table[:, :5].flatten().tolist()):
             self._adapt_rho(rec)
         bad = [i for i in range(table.shape[0])
                if not all(math.isfinite(v) for v in table[i, :5].tolist())]

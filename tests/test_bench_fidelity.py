@@ -96,3 +96,15 @@ def test_bad_input_is_one_line(argv, msg, capsys):
     assert fidelity.main(argv + ["--workdir", "/nonexistent/never"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and msg in err[0]
+
+
+def test_an_arm_the_overrides_make_invalid_is_refused_not_the_run(tmp_path):
+    """rho_adapt is refused by the ablations (no_dual, local_only); the other arms still run."""
+    out = tmp_path / "b.json"
+    argv = ["--seeds", "3", "--eval_n", "6", "--samples", "0", "--boot", "50", "--jobs", "2",
+            "--arms", "ADMM-ring,ADMM-NoDual", "--workdir", str(tmp_path / "w"), "--json", str(out),
+            *TINY, "rho_adapt=true"]
+    assert fidelity.main(argv) == 0
+    table = json.loads(out.read_text())["modes"]["greedy"]
+    assert "rho_adapt" in table["ADMM-NoDual"]["refused"]["3"]
+    assert "refused" not in table["ADMM-ring"] and len(table["ADMM-ring"]["accuracy"]) == 1

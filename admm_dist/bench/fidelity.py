@@ -232,7 +232,11 @@ def run_job(args, job: str) -> Dict[str, object]:
     arms: Dict[str, dict] = {}
     vectors = {}
     for arm in (a for a in ARMS if a.name in args.arm_list):
-        cfg = base_config(args, seed, arm)
+        try:
+            cfg = base_config(args, seed, arm)
+        except BenchError as e:   # e.g. rho_adapt on an ablation: that arm is refused, not the run
+            arms[arm.name] = {"refused": str(e)}
+            continue
         res = train_arm(cfg)
         if res["refused"] is None:
             report = os.path.join(cfg.report_dir, f"{os.path.basename(cfg.out)}-train.json")
