@@ -214,3 +214,10 @@ def test_rho_adapt_rescales_the_scaled_duals():
     for kw in (dict(rho_mu=1.0), dict(rho_tau=0.5), dict(rho_adapt=True, no_dual=True)):
         with pytest.raises(ValueError):
             ADMMConfig(**kw)
+
+
+def test_rho_adapt_leaves_a_single_node_alone():
+    """Pooled (N = 1): u stays 0 and the primal residual is 0, so there is nothing to balance."""
+    prob = LeastSquares(n_nodes=1, dim=8, rows=12, seed=3)
+    engine, hist = solve(prob, consensus="ring", rho=0.5, rounds=5, backend="local", rho_adapt=True)
+    assert [r.rho for r in hist] == [0.5] * 5 and engine.rho == 0.5
