@@ -12,8 +12,8 @@ What one run does, for every seed of ``--seeds``:
    config (with that ``seed``) and writes it to the seed's ``fitset_cache``; every other arm
    of the seed reads the same file, so the arms differ only in how they train.
 2. **The arms** (:data:`ARMS`), each a real :class:`admm_dist.trainer.Trainer` run with the
-   single-process backend (all nodes in one process on one backbone: the same numbers as
-   one gloo rank per node, bit for bit for ring and gossip; see ``tests/test_train.py``):
+   single-process backend (all nodes in one process on one backbone: the numbers of one
+   gloo rank per node, which ``tests/test_train.py`` checks for every arm):
    ADMM-ring (the config as it is), ADMM-gossip (``consensus=gossip``, deployed per seat),
    Centralized (``pooled`` on one node), ADMM-Local (``local_only``, deployed per seat) and
    ADMM-NoDual (``no_dual``). ``key=value`` arguments override the config for every arm.
