@@ -188,13 +188,12 @@ class ADMMEngine:
         table = self.comm.gather_rows(local)
         rec = self._record(table)
         self.history.append(rec)
-        if self.config.rho_adapt and self.comm.n_nodes > 1 and \
-                all(math.isfinite(v) for v in table[:, :5].flatten().tolist()):
-            self._adapt_rho(rec)
         bad = [i for i in range(table.shape[0])
                if not all(math.isfinite(v) for v in table[i, :5].tolist())]
         if bad:
             raise NonFiniteError(f"round {self.round}: non-finite objective or state on node(s) {bad}")
+        if self.config.rho_adapt and self.comm.n_nodes > 1:
+            self._adapt_rho(rec)
         return rec
 
     def _record(self, t: torch.Tensor) -> RoundRecord:

@@ -329,7 +329,7 @@ def evaluate(args) -> int:
     settings = summary["settings"]
     if args.save_trajectories:
         write_trajectories(args.save_trajectories, args.task, chains, outcome, settings["adapted_seats"],
-                           parse_agent_models(args.agent_models, args.n_agents), settings)
+                           {int(k): v for k, v in settings["agent_models"].items()}, settings)
     lo, hi = summary["rows"]
     where = f"on {args.task} {summary['split']} rows [{lo}, {hi})"
     total = summary["n_chains"]
