@@ -191,7 +191,9 @@ class ADMMEngine:
         bad = [i for i in range(table.shape[0])
                if not all(math.isfinite(v) for v in table[i, :5].tolist())]
         if bad:
-            raise NonFiniteError(f"round {self.round}: non-finite objective or state on node(s) {bad}")
+            raise NonFiniteError(f"round {self.round}: non-finite objective or state on node(s) {bad}: "
+                                 "lower --eta or --grad_clip, or check that node's examples; "
+                                 "resume=auto restarts from the last finite checkpoint")
         if self.config.rho_adapt and self.comm.n_nodes > 1:
             self._adapt_rho(rec)
         return rec

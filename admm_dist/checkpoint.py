@@ -8,9 +8,12 @@ Layout, under ``<out>.ckpt/``::
 
 Each file is written atomically (temporary file, fsync, rename) and the JSON
 file is written last: its presence marks the node's checkpoint of that round
-as complete. ``resume auto`` restarts from the last round that *every* node
-completed, agreed across ranks through the communicator; only the last
-``keep`` rounds are kept. Nothing is pickled.
+as complete. Every JSON file carries the run's fingerprint (its semantic settings and
+the content of its fit set and initial state): a round counts for a run only when every
+node's file carries that run's fingerprint, so one run never resumes from, or prunes,
+another's checkpoints. ``resume auto`` restarts from the last round that *every* node
+completed, agreed across ranks through the communicator; only the last ``keep`` rounds
+are kept. Nothing is pickled.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import json
 import os
 import re
 import shutil
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from safetensors.torch import load as st_load
@@ -49,16 +52,32 @@ def save_node(root: str, k: int, node: int, tensors: Mapping[str, torch.Tensor],
     atomic_write_json(os.path.join(folder, f"node-{node}.json"), dict(meta, round=k, node=node))
 
 
-def completed_rounds(root: str, nodes: Sequence[int]) -> List[int]:
-    """Rounds for which every node in ``nodes`` has a complete checkpoint, ascending."""
+def all_rounds(root: str) -> List[int]:
+    """Every round folder under ``root`` (whoever wrote it, complete or not), ascending."""
     if not os.path.isdir(root):
         return []
+    return sorted(int(m.group(1)) for m in map(_ROUND_DIR.match, os.listdir(root)) if m)
+
+
+def _fingerprint_of(path: str) -> Optional[str]:
+    try:
+        with open(path) as fh:
+            return json.load(fh).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def completed_rounds(root: str, nodes: Sequence[int], fingerprint: Optional[str] = None) -> List[int]:
+    """Rounds for which every node in ``nodes`` has a complete checkpoint, ascending; with
+    ``fingerprint``, only those written by that run."""
     out = []
-    for name in os.listdir(root):
-        m = _ROUND_DIR.match(name)
-        if m and all(os.path.exists(os.path.join(root, name, f"node-{n}.json")) for n in nodes):
-            out.append(int(m.group(1)))
-    return sorted(out)
+    for k in all_rounds(root):
+        paths = [os.path.join(round_dir(root, k), f"node-{n}.json") for n in nodes]
+        if not all(os.path.exists(p) for p in paths):
+            continue
+        if fingerprint is None or all(_fingerprint_of(p) == fingerprint for p in paths):
+            out.append(k)
+    return out
 
 
 def load_node(root: str, k: int, node: int, fingerprint: str) -> Tuple[Dict[str, torch.Tensor], Dict]:
@@ -84,9 +103,10 @@ def load_node(root: str, k: int, node: int, fingerprint: str) -> Tuple[Dict[str,
     return tensors, meta
 
 
-def prune(root: str, nodes: Sequence[int], keep: int) -> None:
-    """Delete this process's node files from all but the newest ``keep`` complete rounds."""
-    rounds = completed_rounds(root, nodes)
+def prune(root: str, nodes: Sequence[int], keep: int, fingerprint: str) -> None:
+    """Delete this process's node files from all but the newest ``keep`` complete rounds of
+    this run (``fingerprint``); other runs' files are never touched."""
+    rounds = completed_rounds(root, nodes, fingerprint)
     for k in rounds[:-keep] if keep > 0 else []:
         folder = round_dir(root, k)
         for n in nodes:

@@ -172,14 +172,15 @@ def load(cls: Type[T], argv: Sequence[str]) -> T:
     rest: List[str] = []
     i = 0
     while i < len(argv):
-        if argv[i] == "--config":
-            if i + 1 >= len(argv):
+        if argv[i] == "--config" or argv[i].startswith("--config="):
+            if argv[i] == "--config" and i + 1 >= len(argv):
                 raise ConfigError("--config needs a YAML file path")
-            path = argv[i + 1]
-            i += 2
-        elif argv[i].startswith("--config="):
-            path = argv[i].split("=", 1)[1]
-            i += 1
+            given = argv[i + 1] if argv[i] == "--config" else argv[i].split("=", 1)[1]
+            if path is not None:
+                raise ConfigError(f"--config given twice ({path}, {given}): pass one file, and "
+                                  "override single keys with key=value")
+            path = given
+            i += 2 if argv[i] == "--config" else 1
         else:
             rest.append(argv[i])
             i += 1

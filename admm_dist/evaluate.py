@@ -91,6 +91,7 @@ class Deploy:
     describe: str
     run_config: dict
     report: Optional[str]
+    anchor_keys: Optional[List[str]] = None   # the training queries the file itself lists
 
 
 def adapter_config_of_run(cfg: dict):
@@ -143,7 +144,8 @@ def from_adapter(path: str, deploy: str, seats: Callable[[dict], List[int]]) -> 
     def vectors(adapter):
         vec, _ = load_vector(path, expect=adapter)
         return {s: vec for s in seats(run_cfg)}
-    return Deploy(AdapterConfig.from_dict(ident["config"]), vectors, f"adapter {path}", run_cfg, report)
+    return Deploy(AdapterConfig.from_dict(ident["config"]), vectors, f"adapter {path}", run_cfg, report,
+                  _keys(meta.get("anchor_keys")))
 
 
 def from_state(folder: str, deploy: str, n_agents: int, seats: Callable[[dict], List[int]]) -> Deploy:
@@ -184,7 +186,11 @@ def from_state(folder: str, deploy: str, n_agents: int, seats: Callable[[dict], 
             adapter.load_vector(out[s])   # checks the size: another backbone or config is an AdapterError
         return out
     return Deploy(adapter_config_of_run(cfg), vectors, f"state {folder} ({deploy}, {key})", cfg,
-                  find_report(run_reports(cfg, folder)))
+                  find_report(run_reports(cfg, folder)), _keys(sm.get("anchor_keys")))
+
+
+def _keys(value) -> Optional[List[str]]:
+    return [str(k) for k in value] if isinstance(value, list) else None
 
 
 def train_keys(path: str) -> List[str]:
@@ -251,6 +257,8 @@ def prepare(args):
     report = args.train_report or (dep.report if dep else None)
     if report:
         queries.refuse_leaks(rows, train_keys(report), report=report)
+    if dep and dep.anchor_keys is not None:   # a copied adapter still knows what it trained on
+        queries.refuse_leaks(rows, dep.anchor_keys, report=dep.describe)
     settings = {"model_name": model_name, "seed": args.seed, "split": args.split or "eval",
                 "task_path": args.task_path, "n_agents": n, "prompt": args.prompt, "words": spec.words,
                 "think": args.think, "text_mas_context_length": args.text_mas_context_length,
@@ -258,7 +266,8 @@ def prepare(args):
                 "deploy": dep.describe if dep else None,
                 "agent_models": {str(s): p for s, p in agent_models.items()},
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                "samples": args.samples, "batch_size": args.batch_size, "train_report": report}
+                "samples": args.samples, "batch_size": args.batch_size, "train_report": report,
+                "leakage_checked_by_file": bool(dep and dep.anchor_keys is not None)}
     return safety, dep, agent_models, chain, rows, settings
 
 
@@ -341,7 +350,7 @@ def evaluate(args) -> int:
         line = f"accuracy {summary['accuracy']:.3f} ({summary['correct']}/{total}) {where}"
     if args.json:
         atomic_write_json(args.json, summary)
-    if settings["deploy"] and not settings["train_report"]:
+    if settings["deploy"] and not settings["train_report"] and not settings["leakage_checked_by_file"]:
         print(f"note: no training report found for {settings['deploy']}: leakage not checked (pass --train_report)",
               file=sys.stderr)
     print(line)

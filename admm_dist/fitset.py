@@ -291,6 +291,11 @@ def load_fitset(path: str, *, settings: Optional[Dict[str, Any]] = None,
                   stats=stats, anchor_keys=[str(k) for k in anchor_keys], path=path)
 
 
+def content_key(f: "FitSet") -> str:
+    """A sha256 (hex) of a fit set's examples: what a run trained on, whatever its path."""
+    return settings_key({"examples": [dataclasses.asdict(e) for e in f.examples]})
+
+
 def settings_key(d: Dict[str, Any]) -> str:
     """A stable sha256 (hex) of the canonical JSON of ``d``: sorted keys, no whitespace."""
     if not isinstance(d, dict):

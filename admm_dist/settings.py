@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 from typing import Any, Dict, List, Optional
 
 from .comm import MODES, TOPOLOGIES
@@ -22,7 +23,7 @@ from .mas.prompts import role_name
 NON_SEMANTIC = frozenset({
     "out", "report_dir", "quiet", "resume", "checkpoint_every", "keep_checkpoints",
     "k_outer", "timeout_s", "export_peft", "dry_run", "backend", "device", "dev_every",
-    "fault_at", "gen_batch_size",
+    "fault_at", "gen_batch_size", "overwrite", "max_delta_w_rel",
 })
 
 
@@ -144,6 +145,8 @@ class TrainConfig:
     checkpoint_every: int = 1
     keep_checkpoints: int = 3
     resume: str = "never"           # never | auto
+    overwrite: bool = False         # a fresh run may replace the run already in `out`
+    max_delta_w_rel: float = 10.0   # a result with ||dW||/||W|| above this diverged: refused
     export_peft: bool = False
     fault_at: Optional[str] = None  # test-only: "ROUND:NODE" kills after that round's checkpoint,
     #                                 "nan@ROUND:NODE" makes that node's loss NaN in that round
@@ -193,7 +196,10 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: it must be >= 1")
-        for name in ("eta", "grad_clip", "lora_alpha", "timeout_s"):
+        self._check_out()
+        if self.overwrite and self.resume == "auto":
+            raise ValueError("overwrite=true replaces the run in out=, resume=auto continues it: choose one")
+        for name in ("eta", "grad_clip", "lora_alpha", "timeout_s", "max_delta_w_rel"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name}={v}: it must be a finite number > 0")
@@ -204,7 +210,8 @@ class TrainConfig:
         if self.rho == 0 and not self.local_only:
             raise ValueError("rho=0 decouples the nodes: use --local_only for that ablation")
         if not 0 <= self.dev_frac < 1:
-            raise ValueError(f"dev_frac={self.dev_frac}: hold out a fraction in [0, 1)")
+            raise ValueError(f"dev_frac={self.dev_frac}: pass a held-out fraction in [0, 1), e.g. dev_frac=0.1 "
+                             "(0 holds out nothing)")
         if self.dedup_targets < 0:
             raise ValueError(f"dedup_targets={self.dedup_targets}: use 0 (off) or a cap >= 1")
         if self.local_only and self.no_dual:
@@ -218,6 +225,17 @@ class TrainConfig:
             parts = self.fault_at.removeprefix("nan@").split(":")
             if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
                 raise ValueError(f"fault_at={self.fault_at!r}: write ROUND:NODE or nan@ROUND:NODE, e.g. 3:1")
+
+    def _check_out(self) -> None:
+        """``out`` names a run (``runs/x`` -> runs/x/, runs/x-last.safetensors, ...); a trailing
+        slash is dropped."""
+        out = str(self.out).rstrip("/")
+        if not out or os.path.basename(out) in (".", ".."):
+            raise ValueError(f"out={self.out!r}: name the run, e.g. out=runs/ring (its files go to runs/ring/, "
+                             "runs/ring-last.safetensors and runs/ring.ckpt/)")
+        object.__setattr__(self, "out", out)
+        if not str(self.report_dir).strip():
+            raise ValueError("report_dir='': name a folder for the training report, e.g. report_dir=results")
 
     # -- derived --------------------------------------------------------------
     def admm_config(self):

@@ -30,21 +30,30 @@ from . import tasks
 from .adapter import (AdapterConfig, BOnlyLoRA, check_same_basis, hash_to_int64_row,
                       int64_row_to_hash, load_vector, save_vector)
 from .admm import ADMMEngine, RoundRecord
+from .checkpoint import CheckpointError
 from .collect import chain_runner, collect_fitset, collect_key, gather_json, load_seat_models
 from .comm import Communicator, make_communicator
 from .config import dump_yaml
 from .dist import DistContext
 from .io import atomic_write_bytes, atomic_write_json
+from .preemption import PreemptionFlag
 from .settings import TrainConfig
 from .tools import load_model
 
 
 class Preempted(Exception):
     """SIGUSR2 arrived (SLURM's warning before the time limit): every rank checkpointed the
-    same round and stops; a requeued job continues with ``resume=auto``."""
+    same round (or stopped after set-up) and stops; a requeued job continues with ``resume=auto``."""
 
-    def __init__(self, round_: int):
-        super().__init__(f"preempted after round {round_}: checkpoint written; rerun with resume=auto")
+    def __init__(self, round_: int, *, in_setup: bool = False):
+        if not in_setup:
+            msg = f"preempted after round {round_}: checkpoint written; rerun with resume=auto"
+        elif round_ == 0:
+            msg = "preempted during set-up, before round 1: nothing to resume yet; rerun (resume=auto starts at round 0)"
+        else:
+            msg = (f"preempted during set-up after resuming round {round_}: its checkpoint stands; "
+                   "rerun with resume=auto")
+        super().__init__(msg)
         self.round = round_
 
 
@@ -78,8 +87,10 @@ def collect_settings(cfg: TrainConfig) -> Dict[str, object]:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] = print):
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] = print,
+                 preempt: Optional[PreemptionFlag] = None):
         self.cfg = cfg
+        self.preempt = preempt   # None: train() notes SIGUSR2 itself while it runs
         self.ctx = ctx
         self.rank = ctx.rank
         self.talk = (lambda m: None) if (cfg.quiet or ctx.rank != 0) else log
@@ -96,8 +107,16 @@ class Trainer:
                 raise TrainError("--backend local runs every node in one process: launch it "
                                  "without torchrun (python -m admm_dist.train ...)")
             if ctx.world_size != n:
-                raise TrainError(f"world size {ctx.world_size} != number of nodes {n}: launch with "
-                                 f"torchrun --nproc_per_node {n}")
+                hosts = int(os.environ.get("GROUP_WORLD_SIZE") or os.environ.get("SLURM_JOB_NUM_NODES") or 1)
+                if hosts > 1:
+                    fix = (f"nodes x ranks per node must equal {n}: e.g. --nnodes {hosts} --nproc_per_node "
+                           f"{n // hosts}" if n % hosts == 0 else
+                           f"{n} nodes do not split over {hosts} hosts: use a host count that divides {n}")
+                else:
+                    fix = f"launch with torchrun --nproc_per_node {n}"
+                raise TrainError(f"world size {ctx.world_size} != number of nodes {n} (one rank per node, "
+                                 f"{hosts} host(s)): {fix} (on SLURM: sbatch --nodes A with NPROC_PER_NODE=B, "
+                                 f"A x B = {n})")
             backend = "process_group"
         else:
             if cfg.backend == "process_group":
@@ -123,6 +142,7 @@ class Trainer:
         random.seed(cfg.seed)
         self.comm = self.build_comm()
         self.nodes = list(self.comm.nodes)
+        self.check_outputs()
         collecting = self.needs_collection()
         if not collecting:  # a bad fit set fails before any weights load
             self.shards, self.dev_set = self.load_data(self.read_fitset())
@@ -149,6 +169,68 @@ class Trainer:
         if collecting:
             states = {} if self.init_vec is None else {s: self.init_vec for s in cfg.adapted_seats()}
             self.shards, self.dev_set = self.load_data(self.collect(0, states))
+        # What a checkpoint must match to be this run's: the settings that change what is
+        # computed, the fit set's content (not its path) and the initial state's bytes.
+        self.fingerprint = fs.settings_key({"settings": cfg.fingerprint(), "fitset": self.fit_digest,
+                                            "init_state": file_fingerprint(cfg.init_state)})[:16]
+
+    # ------------------------------------------------------------------ outputs, before any work
+    def check_outputs(self) -> None:
+        """Every output path is writable, and a fresh run does not mix with another run's files.
+
+        Runs before any weights load. A fresh run (``resume=never``) into an ``out`` that holds
+        checkpoints or results is refused unless ``overwrite=true`` (then the checkpoints go at
+        once and the results when this run's replace them); ``resume=auto`` with results but no
+        checkpoints is refused the same way. Every rank checks, and every rank stops on the
+        first problem any rank found.
+        """
+        cfg = self.cfg
+        problem = self._output_problem()
+        table = self.comm.gather_rows(torch.tensor([[float(problem is not None)]] * len(self.nodes),
+                                                   dtype=torch.float64))
+        if problem is not None:
+            raise TrainError(problem)
+        if table.max().item() > 0:
+            raise TrainError("another rank found a problem with the output paths (see its message)")
+        if cfg.overwrite and self.rank == 0 and os.path.isdir(ckpt.ckpt_root(cfg.out)):
+            ckpt.remove_all(ckpt.ckpt_root(cfg.out))
+            self.talk(f"overwrite: removed the checkpoints in {ckpt.ckpt_root(cfg.out)}")
+        if cfg.overwrite:
+            self.comm.gather_rows(torch.zeros(len(self.nodes), 1, dtype=torch.float64))  # removal seen by all
+
+    def _output_problem(self) -> Optional[str]:
+        cfg = self.cfg
+        out, root = cfg.out, ckpt.ckpt_root(cfg.out)
+        folders = {"out": out, "the checkpoint folder": root, "report_dir": cfg.report_dir,
+                   "the folder of out": os.path.dirname(os.path.abspath(out))}
+        for what, folder in folders.items():
+            fix = "report_dir=" if what == "report_dir" else "out="
+            if os.path.exists(folder) and not os.path.isdir(folder):
+                return f"{what} {folder} exists and is not a folder: choose another {fix}"
+            here = os.path.abspath(folder)   # nothing is created yet: the nearest existing folder decides
+            while not os.path.exists(here):
+                here = os.path.dirname(here)
+            if not os.path.isdir(here):
+                return f"{what} {folder} cannot be created: {here} is a file; choose another {fix}"
+            if not os.access(here, os.W_OK | os.X_OK):
+                return f"cannot write to {what} {folder} ({here} is read-only or not ours): choose a writable {fix}"
+        for path, kind in ((out + "-last.safetensors", "file"), (out + "-best.safetensors", "file"),
+                           (out + "-last-peft", "folder")):
+            if os.path.exists(path) and (os.path.isdir(path) != (kind == "folder")):
+                return f"{path} exists and is not a {kind}: move it away or choose another out="
+        if cfg.dry_run or cfg.overwrite:
+            return None
+        rounds = ckpt.all_rounds(root)
+        results = [p for p in (out + "-last.safetensors", os.path.join(out, "seat_map.json"))
+                   if os.path.exists(p)]
+        if cfg.resume == "never" and (rounds or results):
+            held = f"checkpoints up to round {rounds[-1]}" if rounds else f"the results {results[0]}"
+            return (f"out={out} already holds a run ({held}): continue it with resume=auto, replace it "
+                    "with overwrite=true, or choose a new out=")
+        if cfg.resume == "auto" and results and not rounds:
+            return (f"out={out} holds the results of a finished run ({results[0]}) and no checkpoints to "
+                    "resume: replace it with overwrite=true, or choose a new out=")
+        return None
 
     def _check_basis(self) -> None:
         rows = torch.cat([hash_to_int64_row(self.adapter.basis_hash())] * len(self.nodes))
@@ -190,6 +272,7 @@ class Trainer:
             raise TrainError(f"--fitset_cache {cfg.fitset_cache} was built with different settings "
                              f"(file, requested): {diff}; collect again (remove the file) or match them")
         self.report.update(fitset_provenance="file")
+        self.fit_digest = fs.content_key(f)
         return f
 
     def collect(self, collection: int, states: Dict[int, torch.Tensor]) -> "fs.FitSet":
@@ -225,6 +308,8 @@ class Trainer:
                            anchor_keys=f.anchor_keys)
             self.talk(f"wrote the collected fit set to {cfg.fitset_cache}")
         self.report.update(fitset_provenance="collected")
+        if collection == 0:
+            self.fit_digest = fs.content_key(f)
         return f
 
     def load_data(self, f: "fs.FitSet"):
@@ -240,6 +325,16 @@ class Trainer:
         if cfg.fit_filter == "drop_unclosed_think":
             examples, dropped = fs.drop_unclosed_think(examples)
             self.report["dropped_unclosed_think"] = dropped
+        outside = sorted({e.seat for e in examples if not 0 <= e.seat < cfg.n_agents})
+        if outside:
+            raise TrainError(f"{cfg.fitset_cache or 'the fit set'} holds examples of seat(s) {outside}, outside the "
+                             f"chain of n_agents={cfg.n_agents} seats (0..{cfg.n_agents - 1}): rebuild it for this "
+                             "chain, or set n_agents to the chain it was built for")
+        others = sum(1 for e in examples if e.seat not in seats)
+        if others:   # seats this run does not adapt (adapt_roles): documented, and said once
+            self.report["dropped_unadapted_seats"] = others
+            self.talk(f"note: {others} examples belong to seats this run does not adapt (adapt_roles="
+                      f"{cfg.adapt_roles}): not trained on")
         per_seat = fs.by_seat(examples, seats, drop_others=True)
         if cfg.dedup_targets > 0:
             flat = fs.dedup_targets([e for s in per_seat for e in s], cfg.dedup_targets)
@@ -262,6 +357,10 @@ class Trainer:
                              "(--adapt_roles), use --pooled, or --empty_nodes prox (such a node "
                              "has f_i = 0 and only follows the consensus)")
         self.report["empty_nodes"] = empty
+        small = [i for i, p in enumerate(parts) if 0 < len(p) < cfg.batch_size]
+        if small:
+            self.talk(f"note: node(s) {small} hold fewer examples ({[len(parts[i]) for i in small]}) than "
+                      f"batch_size={cfg.batch_size}: each of their steps uses the whole shard")
         self.talk(f"fit set {cfg.fitset_cache or '(collected)'}: node sizes {[len(p) for p in parts]}, "
                   f"dev {len(dev)}")
         return {n: parts[n] for n in self.nodes}, dev
@@ -359,6 +458,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ rounds
     def train(self) -> Dict[str, object]:
+        if self.preempt is not None:   # train.main installed it before anything else
+            return self._train()
+        self.preempt = PreemptionFlag()
+        restore = self.preempt.install()
+        try:
+            return self._train()
+        finally:
+            restore()
+
+    def _train(self) -> Dict[str, object]:
         cfg = self.cfg
         self.setup()
         self.build_nodes()
@@ -367,49 +476,33 @@ class Trainer:
         self.report["basis_hash"] = self.adapter.basis_hash()
         if cfg.dry_run:
             self.talk("dry run: fit sets built, stopping before any gradient step")
-            self.write_report()
+            self.write_report("dryrun")
             return self.report
         if cfg.resume == "auto":
             self.try_resume()
         root = ckpt.ckpt_root(cfg.out)
-        self._preempt = False
-        restore = self._on_usr2()
-        try:
-            while self.engine.round < cfg.k_outer:
-                rec = self.engine.step(self.xstep)
-                self.on_round(rec)
-                if cfg.recollect_every and self.engine.round % cfg.recollect_every == 0 \
-                        and self.engine.round < cfg.k_outer:
-                    self.recollect(self.engine.round // cfg.recollect_every)
-                stop = self.engine.round < cfg.k_outer and self._agree_preempt()
-                if stop or self.engine.round % cfg.checkpoint_every == 0 or self.engine.round == cfg.k_outer:
-                    self.checkpoint(root)
-                if stop:
-                    self.report["preempted_after_round"] = self.engine.round
-                    self.write_report()
-                    raise Preempted(self.engine.round)
-                if any(self._fault("kill", n) for n in self.nodes):
-                    os._exit(17)
-        finally:
-            restore()
-        return self.finish()
-
-    def _on_usr2(self) -> Callable[[], None]:
-        """Note SIGUSR2 (acted on at the end of the round); returns the undo."""
-        import signal
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def note(signum, frame):
-            self._preempt = True
-        old = signal.signal(signal.SIGUSR2, note)
-        return lambda: signal.signal(signal.SIGUSR2, old)
+        if self._agree_preempt():   # the warning came while loading, collecting or resuming
+            raise Preempted(self.engine.round, in_setup=True)
+        while self.engine.round < cfg.k_outer:
+            rec = self.engine.step(self.xstep)
+            self.on_round(rec)
+            if cfg.recollect_every and self.engine.round % cfg.recollect_every == 0 \
+                    and self.engine.round < cfg.k_outer:
+                self.recollect(self.engine.round // cfg.recollect_every)
+            stop = self.engine.round < cfg.k_outer and self._agree_preempt()
+            if stop or self.engine.round % cfg.checkpoint_every == 0 or self.engine.round == cfg.k_outer:
+                self.checkpoint(root)
+            if stop:
+                self.report["preempted_after_round"] = self.engine.round
+                self.write_report("preempted")
+                raise Preempted(self.engine.round)
+            if any(self._fault("kill", n) for n in self.nodes):
+                os._exit(17)
+        return self.finish()   # a warning from here on is ignored: the run is finishing
 
     def _agree_preempt(self) -> bool:
         """True on every rank if SIGUSR2 reached any rank (one tiny gather per round)."""
-        flag = torch.tensor([[float(self._preempt)]] * len(self.nodes), dtype=torch.float64)
+        flag = torch.tensor([[float(self.preempt.noted)]] * len(self.nodes), dtype=torch.float64)
         return bool(self.comm.gather_rows(flag).max().item() > 0)
 
     def on_round(self, rec: RoundRecord) -> None:
@@ -460,7 +553,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, root: str) -> None:
         k = self.engine.round
-        fp = self.cfg.fingerprint()
+        fp = self.fingerprint
         history = [r.as_dict() for r in self.engine.history]
         for j, node in enumerate(self.nodes):
             st = self.state[node]
@@ -479,13 +572,25 @@ class Trainer:
             if self.best is not None:
                 tensors["best_z"] = self.best[2]
             ckpt.save_node(root, k, node, tensors, meta)
-        ckpt.prune(root, self.nodes, self.cfg.keep_checkpoints)
+        ckpt.prune(root, self.nodes, self.cfg.keep_checkpoints, fp)
 
     def try_resume(self) -> None:
-        root = ckpt.ckpt_root(self.cfg.out)
-        mine = ckpt.completed_rounds(root, self.nodes)
-        latest = torch.tensor([[float(mine[-1] if mine else 0)]] * len(self.nodes), dtype=torch.float64)
-        agreed = int(self.comm.gather_rows(latest).min().item())
+        cfg = self.cfg
+        root = ckpt.ckpt_root(cfg.out)
+        mine = ckpt.completed_rounds(root, self.nodes, self.fingerprint)
+        foreign = bool(ckpt.all_rounds(root)) and not mine
+        row = [float(mine[-1] if mine else 0), float(foreign), float(mine[-1] if mine else 0)]
+        table = self.comm.gather_rows(torch.tensor([row] * len(self.nodes), dtype=torch.float64))
+        agreed, newest = int(table[:, 0].min().item()), int(table[:, 2].max().item())
+        if table[:, 1].max().item() > 0 and agreed == 0:
+            raise CheckpointError(
+                f"resume auto: the checkpoints in {root} were written by another run (other settings, fit set "
+                "or initial state): resume with that run's settings, replace it with overwrite=true "
+                "(resume=never), or choose a new out=")
+        if newest > cfg.k_outer:
+            raise CheckpointError(
+                f"resume auto: the checkpoints in {root} reach round {newest}, beyond k_outer={cfg.k_outer}: "
+                f"pass k_outer={newest} or more to continue that run, or choose a new out=")
         if agreed == 0:
             self.talk("resume auto: no complete checkpoint on every rank; starting from round 0")
             return
@@ -495,7 +600,7 @@ class Trainer:
         state: Dict[str, object] = {"round": agreed}
         loaded = {}
         for node in self.nodes:
-            tensors, meta = ckpt.load_node(root, agreed, node, self.cfg.fingerprint())
+            tensors, meta = ckpt.load_node(root, agreed, node, self.fingerprint)
             loaded[node] = (tensors, meta)
             state["rho"] = meta.get("rho", self.cfg.rho)
             for name in ("x", "z", "u"):
@@ -560,10 +665,17 @@ class Trainer:
         sizes = self.report.get("node_sizes") or [1] * len(dw_all)
         should = [i for i, d in enumerate(dw_all) if not (cfg.local_only and sizes[i] == 0)]
         still = [i for i in should if not (math.isfinite(dw_all[i]) and dw_all[i] >= 1e-6)]
+        kept = "; any earlier result in out= is kept"
         if still or not should:
-            self.write_report()
+            self.write_report("refused")
             raise TrainError(f"refusing to write {cfg.out}: the adapter of node(s) {still or should} did not "
-                             f"move (delta_w_rel={dw_all}); raise --eta or --k_outer")
+                             f"move (delta_w_rel={dw_all}); raise --eta or --k_outer{kept}")
+        wild = [i for i, d in enumerate(dw_all) if d > cfg.max_delta_w_rel]
+        if wild:
+            self.write_report("refused")
+            raise TrainError(f"refusing to write {cfg.out}: the run diverged (delta_w_rel of node(s) {wild} = "
+                             f"{max(dw_all[i] for i in wild):.3g} > max_delta_w_rel={cfg.max_delta_w_rel:g}): "
+                             f"lower --eta or --grad_clip{kept}")
         self.write_outputs(deploy_local)
         self.write_report()
         return self.report
@@ -580,8 +692,11 @@ class Trainer:
                                                ("u", self.engine.u[j]))}))
         if self.rank != 0:
             return
+        for stale in range(self.comm.n_nodes, 1 + max(self._node_files(), default=-1)):
+            os.unlink(os.path.join(cfg.out, f"node-{stale}.safetensors"))   # an overwritten run's extra nodes
         atomic_write_json(os.path.join(cfg.out, "seat_map.json"),
                           dict(meta, deploy_required="local" if deploy_local else None,
+                               anchor_keys=list(self.report.get("anchor_keys") or []),
                                node_of_seat={str(s): (0 if cfg.pooled else i)
                                              for i, s in enumerate(cfg.adapted_seats())}))
         atomic_write_bytes(os.path.join(cfg.out, "config.yaml"), dump_yaml(cfg).encode())
@@ -589,25 +704,38 @@ class Trainer:
             self.talk(f"wrote {cfg.out}/ (local-only: deploy each node's x_i per seat)")
             return
         z = self.engine.z[0]
+        # A copied adapter keeps the leakage check: it carries the training queries' keys.
+        trained_on = {"anchor_keys": list(self.report.get("anchor_keys") or []),
+                      "report": os.path.abspath(self.report_path())}
         save_vector(cfg.out + "-last.safetensors", z,
                     {"selection": "final consensus variable z", "round": self.engine.round,
-                     "deploy_required": "local" if deploy_local else None}, adapter=self.adapter)
+                     "deploy_required": "local" if deploy_local else None, **trained_on}, adapter=self.adapter)
         self.talk(f"wrote {cfg.out}-last.safetensors")
         if self.best is not None:
             save_vector(cfg.out + "-best.safetensors", self.best[2],
                         {"selection": "lowest held-out NLL", "round": self.best[1],
-                         "dev_nll": self.best[0]}, adapter=self.adapter)
+                         "dev_nll": self.best[0], **trained_on}, adapter=self.adapter)
             self.report["best"] = {"round": self.best[1], "dev_nll": self.best[0]}
             self.talk(f"wrote {cfg.out}-best.safetensors (round {self.best[1]})")
         if cfg.export_peft:
             self.adapter.export_peft(cfg.out + "-last-peft", z)
             self.talk(f"wrote {cfg.out}-last-peft/")
 
-    def write_report(self) -> None:
+    def _node_files(self) -> List[int]:
+        names = os.listdir(self.cfg.out) if os.path.isdir(self.cfg.out) else []
+        return [int(n[5:-12]) for n in names if n.startswith("node-") and n.endswith(".safetensors")
+                and n[5:-12].isdigit()]
+
+    def report_path(self, kind: Optional[str] = None) -> str:
+        """``<report_dir>/<name>-train.json`` describes the results in ``out``; a refused,
+        preempted or dry run writes ``<name>-train-<kind>.json`` beside it, never over it."""
+        name = os.path.basename(self.cfg.out)
+        return os.path.join(self.cfg.report_dir, f"{name}-train{'-' + kind if kind else ''}.json")
+
+    def write_report(self, kind: Optional[str] = None) -> None:
         if self.rank != 0:
             return
-        name = os.path.basename(self.cfg.out.rstrip("/"))
-        path = os.path.join(self.cfg.report_dir, f"{name}-train.json")
+        path = self.report_path(kind)
         atomic_write_json(path, _jsonable(self.report))
         self.talk(f"wrote {path}")
 

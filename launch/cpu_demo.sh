@@ -18,7 +18,8 @@ export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} OMP_NUM_THREADS=${OMP_NUM_TH
 echo "== before training"
 "${EVAL[@]}" --model_name assets/standin --json "$RES/standin-before.json"
 echo "== on-policy collection and ADMM training ($NPROC ranks)"
-torchrun --standalone --nproc_per_node "$NPROC" -m admm_dist.train --config "$CONFIG" out="$OUT" report_dir="$RES"
+torchrun --standalone --nproc_per_node "$NPROC" -m admm_dist.train --config "$CONFIG" out="$OUT" report_dir="$RES" \
+    overwrite=true   # the demo replaces its previous run
 echo "== after training"
 "${EVAL[@]}" --adapter "$OUT-last.safetensors" --train_report "$RES/standin_onpolicy-train.json" \
     --json "$RES/standin-after.json"

@@ -61,3 +61,19 @@ def test_unknown_yaml_key_is_rejected(tmp_path):
         C.load(TrainConfig, ["--config", str(y)])
     with pytest.raises(C.ConfigError, match="does not exist"):
         C.load(TrainConfig, ["--config", str(tmp_path / "nope.yaml")])
+    # a second file would silently replace the first: refused, naming the fix
+    with pytest.raises(C.ConfigError, match="--config given twice.*key=value"):
+        C.load(TrainConfig, ["--config", "configs/cpu/admm_ring.yaml", "--config=configs/cpu/admm_local.yaml"])
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["out="], "name the run"),
+    (["out=runs/."], "name the run"),
+    (["dev_frac=1.5"], "e.g. dev_frac=0.1"),
+    (["overwrite=true", "resume=auto"], "choose one"),
+    (["max_delta_w_rel=0"], "max_delta_w_rel"),
+])
+def test_output_settings_are_checked(argv, match):
+    with pytest.raises(ValueError, match=match):
+        C.load(TrainConfig, argv)
+    assert C.load(TrainConfig, ["out=runs/x///"]).out == "runs/x"

@@ -179,3 +179,17 @@ def test_module_entry_point_one_line_error(tmp_path):
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.strip().splitlines() == [f"admm-dist-evaluate: error: --model_name {tmp_path / 'missing'}: "
                                              f"no such model folder (give a folder with config.json or a hub id)"]
+
+
+def test_a_copied_adapter_still_refuses_its_training_rows(tmp_path, capsys):
+    """The trainer writes the anchor keys into the adapter file: a copy with no report near it
+    keeps the leakage check."""
+    from admm_dist.adapter import save_vector
+    rows = queries.pool("chain_arith", seed=42)[:8]
+    adapter, vec = random_vector(STANDIN, 0)
+    copy = tmp_path / "elsewhere" / "mine.safetensors"
+    os.makedirs(copy.parent)
+    save_vector(str(copy), vec, {"anchor_keys": [rows[5]["anchor"]]}, adapter=adapter)
+    rc, out, err = evaluate(capsys, "--adapter", str(copy))
+    assert rc == 2 and out == "" and "1 of 8 evaluation rows were training queries" in err
+    assert str(copy) in err

@@ -91,3 +91,35 @@ def test_sigusr2_checkpoints_every_rank_and_resume_finishes_the_same(assets, tmp
     a = load_file(str(tmp_path / "clean" / "run-last.safetensors"))["b"]
     b = load_file(str(tmp_path / "cut" / "run-last.safetensors"))["b"]
     assert torch.equal(a, b)
+
+
+def test_sigusr2_during_set_up_stops_cleanly_and_the_job_dir_says_so(assets, tmp_path):
+    """The note is in place from the first line of train.main: a warning that arrives while
+    the ranks load (found by the PIDs they record, never by name) stops the run after set-up."""
+    import json
+    job = tmp_path / "job"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", ADMM_JOB_DIR=str(job))
+    p = subprocess.Popen(_cmd(_args(assets, tmp_path, resume="auto"), N), env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(os.listdir(job / "pids") if (job / "pids").is_dir() else []) < N:
+            time.sleep(0.02)
+        pids = sorted(os.listdir(job / "pids"))
+        assert len(pids) == N, pids
+        with open(job / "pids" / pids[-1]) as fh:
+            os.kill(int(json.load(fh)), signal.SIGUSR2)      # one worker of this job only
+        out, _ = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out[-2000:]
+    assert "preempted during set-up, before round 1: nothing to resume yet" in out
+    status = json.loads((job / "status.json").read_text())
+    assert status["state"] == "preempted" and status["round"] == 0
+    assert os.listdir(job / "pids") == []                     # every worker removed its PID file
+    assert not os.path.exists(tmp_path / "run.ckpt") and not os.path.exists(tmp_path / "run-last.safetensors")
+    done = subprocess.run(_cmd(_args(assets, tmp_path, resume="auto", k_outer=2), N), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((job / "status.json").read_text())["state"] == "finished"

@@ -222,7 +222,7 @@ def test_bad_input_messages(assets, tmp_path, capsys):
     capsys.readouterr()
     train.main(_args(assets, tmp_path, k_outer=2, resume="auto", rho=0.5))
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "another configuration" in err[0]
+    assert len(err) == 1 and "another run" in err[0] and "resume with that run's settings" in err[0]
 
 
 def test_an_adapter_that_did_not_move_is_not_written(assets, tmp_path, capsys):
@@ -232,8 +232,8 @@ def test_an_adapter_that_did_not_move_is_not_written(assets, tmp_path, capsys):
     err = [l for l in capsys.readouterr().err.splitlines() if "error" in l]
     assert rc == 1 and "did not move" in err[0]
     assert not os.path.exists(tmp_path / "run-last.safetensors")
-    rep = json.loads((tmp_path / "reports" / "run-train.json").read_text())
-    assert rep["delta_w_rel"] < 1e-6
+    rep = json.loads((tmp_path / "reports" / "run-train-refused.json").read_text())   # beside, not over
+    assert rep["delta_w_rel"] < 1e-6 and not os.path.exists(tmp_path / "reports" / "run-train.json")
 
 
 def test_dry_run_and_anchor_partition(assets, tmp_path):
@@ -243,7 +243,7 @@ def test_dry_run_and_anchor_partition(assets, tmp_path):
     # every example lands on exactly one of the two anchor partitions
     assert len(report["node_sizes"]) == 2 and sum(report["node_sizes"]) == 3 * 16
     assert report["n_nodes"] == 2 and min(report["node_sizes"]) >= 16
-    assert os.path.exists(tmp_path / "reports" / "run-train.json")  # the dry run's report
+    assert os.path.exists(tmp_path / "reports" / "run-train-dryrun.json")  # beside, never over, a result
     assert not os.path.exists(cfg.out + "-last.safetensors")
     with pytest.raises(Exception, match="fewer than 16"):
         _local(_cfg(assets, tmp_path, dry_run=True, partition="anchor", n_partitions=4))

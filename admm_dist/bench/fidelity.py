@@ -134,6 +134,7 @@ def base_config(args, seed: int, arm: Optional[Arm] = None, *, quiet: bool = Tru
     argv = ["--config", args.config, *(arm.overrides if arm else ()), *args.overrides,
             f"seed={seed}", f"fitset_cache={os.path.join(seed_dir, 'fitset.jsonl')}",
             f"out={os.path.join(seed_dir, name)}", f"report_dir={seed_dir}", "device=cpu",
+            "overwrite=true",   # a job rerun (not --reuse) replaces that arm's earlier run
             f"quiet={str(quiet).lower()}"]
     try:
         return config_mod.load(TrainConfig, argv)

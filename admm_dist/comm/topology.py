@@ -8,7 +8,8 @@ Every graph is undirected, has no self-loops, and is connected for ``n >= 2``:
   2^k < n. Its degree is O(log n) and its spectral gap stays bounded away from
   zero as n grows, which is what an expander is used for here.
 - ``grid``: a rows x cols 2-D grid without wrap-around, 4-neighbourhood, where
-  rows is the largest divisor of n not above sqrt(n) (a prime n gives a chain).
+  rows is the largest divisor of n not above sqrt(n). A prime n > 3 has no such grid and is
+  refused (2 and 3 nodes are the 1 x n grids, i.e. chains).
 - ``chain``: the path i ~ i + 1.
 
 Weights: W_ij = 1 / (1 + max(d_i, d_j)) on edges, W_ii = 1 - sum_j W_ij.
@@ -24,6 +25,9 @@ TOPOLOGIES = ("ring", "complete", "expander", "grid", "chain")
 
 def _grid_shape(n: int) -> Tuple[int, int]:
     rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+    if rows == 1 and n > 3:
+        raise ValueError(f"topology grid: {n} nodes form no rows x cols grid with rows, cols >= 2 "
+                         f"({n} is prime): use topology ring or chain, or a node count like {n + 1}")
     return rows, n // rows
 
 

@@ -42,7 +42,8 @@ def get(name: str) -> TaskSpec:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown task {name!r}: choose one of {', '.join(sorted(REGISTRY))}") from None
+        raise ValueError(f"unknown task {name!r}: pass --task one of {', '.join(sorted(REGISTRY))} "
+                         "(or --fitset_cache FILE to train on a fit set you built)") from None
 
 
 def load(name: str, **kw) -> List[dict]:
