@@ -1,6 +1,12 @@
 # CUDA PyTorch base: torch, CUDA and NCCL come from the image; the package adds the rest.
 FROM pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime
 
+# bubblewrap isolates model-written code (coding tasks, docs/sandbox.md); as root it needs
+# CAP_SYS_ADMIN: docker run --cap-add SYS_ADMIN --security-opt seccomp=unconfined ...
+# (without it coding tasks are refused with a one-line message; other tasks are unaffected).
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap \
+ && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/admm_dist
 COPY setup.cfg pyproject.toml README.md ./
 COPY admm_dist ./admm_dist

@@ -232,6 +232,9 @@ def prepare(args):
                         f"(e.g. cais/HarmBench-Llama-2-13b-cls)")
     if args.judge and not safety:
         raise ToolError(f"--judge is for safety tasks; {args.task} is scored by its {spec.answer_type} answers")
+    if spec.answer_type == "code":   # no sandbox, no scoring: say so before any model loads
+        from .sandbox import isolation
+        isolation()
     n = args.n_agents
     if n < 1:
         raise ToolError(f"--n_agents {n}: a chain needs at least one seat")

@@ -4,7 +4,9 @@
 - choice: the chosen letter ("Answer: B", "the answer is (B)", ``\\boxed{B}``, else the last
   standalone capital A-J) equals the gold letter.
 - code: the last ```python block (else the whole answer) runs with the tests in the sandbox
-  (:mod:`admm_dist.sandbox`); it is right when the program runs past the tests in time.
+  (:mod:`admm_dist.sandbox`); it is right when the program runs past the tests in time. The
+  first code answer prints one note line (stderr) saying which isolation is in force; where
+  none is allowed it raises :class:`~admm_dist.sandbox.SandboxUnavailable` instead of scoring.
 - safety: judged by a judge model, not here.
 
 :func:`score` needs only the gold string; :func:`score_item` takes a task item and also
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 import re
 import secrets
+import sys
 from typing import Optional, Tuple
 
+from . import sandbox
 from .sandbox import run_python
 
 LETTERS = "ABCDEFGHIJ"
@@ -26,6 +30,7 @@ _LONE = re.compile(r"(?<![A-Za-z0-9'])([A-J])(?![A-Za-z0-9'])")
 _WORD_AFTER = re.compile(r"\s+([a-z]+)")
 _VERBS = {"is", "was", "seems", "appears", "would", "should", "must", "matches", "fits", "and", "or"}
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
+_sandbox_noted = False
 
 
 def visible(text: str) -> str:
@@ -111,6 +116,11 @@ def run_code(code: str, tests: str, *, preamble: str = "", timeout_s: float = 10
     The end is a fresh token printed after the tests, so code that exits early with status
     0 (``sys.exit(0)``, ``os._exit(0)``) before the tests ran does not pass.
     """
+    global _sandbox_noted
+    if not _sandbox_noted:
+        sandbox.isolation()  # refuses here (SandboxUnavailable) where no isolation is allowed
+        print(f"note: {sandbox.describe()}", file=sys.stderr)
+        _sandbox_noted = True
     token = f"admm-tests-passed-{secrets.token_hex(8)}"
     program = "\n".join(p for p in (preamble, code, tests, f"print({token!r}, flush=True)") if p)
     result = run_python(program, timeout_s=timeout_s, memory_mb=memory_mb)

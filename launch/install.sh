@@ -28,4 +28,20 @@ if [ "$extra" = "test" ]; then
 else
   "$PY" -m pip install --quiet -e .
 fi
+# Coding tasks run model-written code under bubblewrap (docs/sandbox.md); the slow tests
+# start a real SLURM (docs/slurm.md). Both come from the system's packages.
+want=()
+command -v bwrap >/dev/null 2>&1 || want+=(bubblewrap)
+if [ "$extra" = "test" ]; then command -v slurmctld >/dev/null 2>&1 || want+=(slurm-wlm); fi
+if [ ${#want[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing ${want[*]} (apt)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends "${want[@]}" >/dev/null \
+      || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends "${want[@]}" >/dev/null; } \
+      || echo "note: could not install ${want[*]}: coding tasks refuse model code without bwrap; slow SLURM tests skip" >&2
+  else
+    echo "note: ${want[*]} not installed (apt-get install ${want[*]} as root): coding tasks refuse model code without bwrap" >&2
+  fi
+fi
 "$PY" -c "import torch, admm_dist; print('admm_dist ready: torch', torch.__version__, '| cuda', torch.cuda.is_available())"
