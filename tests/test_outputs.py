@@ -11,22 +11,13 @@ from safetensors import safe_open
 from admm_dist import train
 from admm_dist import checkpoint as ckpt
 from admm_dist.fitset import load_fitset, save_fitset
-from admm_dist.synthetic import write_fitset
-from admm_dist.tiny import save_tiny_backbone
 
 N = 3
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    d = tmp_path_factory.mktemp("assets")
-    bb = save_tiny_backbone(str(d / "backbone"), seed=1, hidden=32, layers=2, heads=2)
-    settings = {"task": "synthetic", "n_agents": N, "adapt_roles": "all"}
-    fit = write_fitset(str(d / "dpo.jsonl"), settings=settings, per_seat=16,
-                       tokenizer=AutoTokenizer.from_pretrained(bb))
-    return {"backbone": bb, "fit": fit, "settings": settings}
+def assets(tiny_assets):
+    return tiny_assets(N)
 
 
 def _args(assets, tmp, **kw):

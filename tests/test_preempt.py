@@ -10,22 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from admm_dist.synthetic import write_fitset
-from admm_dist.tiny import save_tiny_backbone
 
 N = 3
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    d = tmp_path_factory.mktemp("assets")
-    bb = save_tiny_backbone(str(d / "backbone"), seed=1, hidden=32, layers=2, heads=2)
-    settings = {"task": "synthetic", "n_agents": N, "adapt_roles": "all"}
-    fit = write_fitset(str(d / "dpo.jsonl"), settings=settings, per_seat=16,
-                       tokenizer=AutoTokenizer.from_pretrained(bb))
-    return {"backbone": bb, "fit": fit}
+def assets(tiny_assets):
+    return tiny_assets(N)
 
 
 def _args(assets, out, **kw):

@@ -7,8 +7,6 @@ its folder, reads of /etc/passwd and of the evaluator's environment through /pro
 ``allow_unisolated=False``, so none can fall back to running uncontained.
 """
 import base64
-import contextlib
-import ctypes
 import json
 import os
 import secrets
@@ -24,6 +22,7 @@ import pytest
 
 from admm_dist import sandbox, scoring
 from admm_dist.sandbox import SandboxUnavailable, run_python
+from procs import live_children, subreaper
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AVAILABLE = sandbox.isolation_available()
@@ -41,34 +40,6 @@ def run(code, **kw):
     r = run_python(code, allow_unisolated=False, **kw)
     assert r.isolation == "bwrap"
     return r
-
-
-@contextlib.contextmanager
-def subreaper():
-    """While inside, whatever this process's descendants orphan is reparented to it."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    assert prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    try:
-        yield
-    finally:
-        prctl(36, 0, 0, 0, 0)
-
-
-def live_children():
-    """Live children of this process (by PID, from /proc); zombies are reaped."""
-    me, live = os.getpid(), []
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-        except (OSError, ValueError):
-            continue
-        if int(ppid) == me:
-            if state == "Z":
-                os.waitpid(int(name), os.WNOHANG)
-            else:
-                live.append(int(name))
-    return live
 
 
 def host_processes():

@@ -1,12 +1,11 @@
 """Scoring by answer type (number, choice, code, safety) and the code sandbox."""
-import contextlib
-import ctypes
 import os
 import time
 
 import pytest
 
 from admm_dist.sandbox import run_python
+from procs import live_children, subreaper
 from admm_dist.scoring import extract_choice, extract_code, extract_number, score, score_item
 
 
@@ -127,44 +126,16 @@ def test_sandbox_is_isolated_and_cuts_floods():
     assert not flood.ok and not flood.timed_out and len(flood.stdout_tail) <= 2000
 
 
-@contextlib.contextmanager
-def _subreaper():
-    """While inside, whatever this process's descendants orphan is reparented to it."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    assert prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    try:
-        yield
-    finally:
-        prctl(36, 0, 0, 0, 0)
-
-
-def _children():
-    """Live children of this process (by PID, from /proc); zombies are reaped."""
-    me, live = os.getpid(), []
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-        except (OSError, ValueError):
-            continue
-        if int(ppid) == me:
-            if state == "Z":
-                os.waitpid(int(name), os.WNOHANG)
-            else:
-                live.append(int(name))
-    return live
-
-
 def test_sandbox_kills_what_the_code_left_running():
     # The pid the code sees is its sandbox's own (a PID namespace), so look from here: as a
     # child subreaper this process inherits whatever outlives the run. Nothing may.
-    with _subreaper():
+    with subreaper():
         r = run_python("import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(60)\nelse:\n    print(pid)\n")
         assert r.ok and int(r.stdout_tail) > 0
         deadline = time.monotonic() + 2.0
-        while _children() and time.monotonic() < deadline:
+        while live_children() and time.monotonic() < deadline:
             time.sleep(0.02)
-        left = _children()
+        left = live_children()
         for pid in left:
             os.kill(pid, 9)
         assert not left
