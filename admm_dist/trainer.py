@@ -692,8 +692,8 @@ class Trainer:
                                                ("u", self.engine.u[j]))}))
         if self.rank != 0:
             return
-        for stale in range(self.comm.n_nodes, 1 + max(self._node_files(), default=-1)):
-            os.unlink(os.path.join(cfg.out, f"node-{stale}.safetensors"))   # an overwritten run's extra nodes
+        for stale in (k for k in self._node_files() if k >= self.comm.n_nodes):   # an overwritten run's extras
+            os.unlink(os.path.join(cfg.out, f"node-{stale}.safetensors"))
         atomic_write_json(os.path.join(cfg.out, "seat_map.json"),
                           dict(meta, deploy_required="local" if deploy_local else None,
                                anchor_keys=list(self.report.get("anchor_keys") or []),

@@ -32,7 +32,11 @@ fi
 # start a real SLURM (docs/slurm.md). Both come from the system's packages.
 want=()
 command -v bwrap >/dev/null 2>&1 || want+=(bubblewrap)
-if [ "$extra" = "test" ]; then command -v slurmctld >/dev/null 2>&1 || want+=(slurm-wlm); fi
+if [ "$extra" = "test" ]; then   # the slow tests: a real SLURM, network namespaces
+  command -v slurmctld >/dev/null 2>&1 || want+=(slurm-wlm)
+  command -v ip >/dev/null 2>&1 || want+=(iproute2)
+  command -v nsenter >/dev/null 2>&1 || want+=(util-linux)
+fi
 if [ ${#want[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "installing ${want[*]} (apt)"

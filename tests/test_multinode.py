@@ -1,0 +1,91 @@
+"""Two SLURM nodes on one host: each slurmd in its own network + UTS + mount namespace, joined
+by a veth pair (tests/cluster.py). launch/slurm.sbatch runs 2 nodes x 2 ranks = 4 seats over
+the veth (gloo), is preempted by USR2 (forwarded on both nodes), requeued, resumes, and ends
+bit-identical to a 4-rank run on one host.
+
+Slow (``python3 -m pytest -m slow tests/test_multinode.py``); needs root, slurm-wlm, iproute2
+and util-linux (ip, nsenter, unshare), and permission to create network namespaces.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster import (REPO, SCRIPT, Cluster, NetnsPair, Node, assert_same_outputs, has_checkpoint, log_of,
+                     missing, netns_missing, pids_of, submit_dir, tiny_assets, train_args, wait_for)
+
+N = 4        # seats: 2 nodes x 2 ranks
+K = 20
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return tiny_assets(tmp_path_factory.mktemp("assets"), N)
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    why = netns_missing()
+    if why:
+        pytest.skip(why)
+    names = ["nodea", "nodeb"]   # hostnames inside the UTS namespaces only
+    with NetnsPair() as net:
+        hosts = net.hosts_file(tmp_path, names)
+        c = Cluster(tmp_path / "slurm",
+                    nodes=[Node(names[i], net.addr[i], net.prefix(i, names[i], hosts)) for i in (0, 1)],
+                    ctld_host=names[0], ctld_addr=net.addr[0], ctld_prefix=net.prefix(0, names[0], hosts),
+                    client_prefix=net.exec_prefix(0))
+        try:
+            c.start()
+            yield c, net, names
+        finally:
+            c.stop()
+
+
+@pytest.mark.timeout(600)
+def test_two_nodes_preempted_requeued_match_four_ranks_on_one_host(two_nodes, assets, tmp_path):
+    t0 = time.monotonic()
+    cluster, net, names = two_nodes
+    sub = submit_dir(tmp_path)
+    env = dict(NPROC_PER_NODE="2", VENV=sys.prefix, GLOO_SOCKET_IFNAME=net.ifname[0], OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO))
+    job = cluster.sbatch(SCRIPT, ["admm_dist.train"] + train_args(assets, sub / "cut", k_outer=K),
+                         options=["--nodes=2"], cwd=str(sub), env=env)
+    # the reference: 4 ranks on this host (loopback), uninterrupted, same config
+    renv = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    ref = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(N),
+                            "-m", "admm_dist.train"] + train_args(assets, sub / "ref", k_outer=K),
+                           env=renv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        try:
+            wait_for(lambda: has_checkpoint(sub / "cut") or cluster.state(job) not in ("PENDING", "RUNNING", ""),
+                     300, "the first checkpoint of the two-node job")
+        except TimeoutError:
+            pytest.fail(f"no checkpoint: {cluster.job(job)}\n{log_of(sub, job)[-3000:]}")
+        assert has_checkpoint(sub / "cut"), log_of(sub, job)[-3000:]
+        pids = [p.name for p in pids_of(sub, job)]
+        assert sorted(p.split("-rank")[0] for p in pids) == [names[0]] * 2 + [names[1]] * 2, pids
+        t_usr2 = time.monotonic()
+        cluster.signal_batch(job)
+        info = cluster.wait_done(job, 400)
+        t_done = time.monotonic()
+        out, _ = ref.communicate(timeout=300)
+    finally:
+        if ref.poll() is None:
+            os.killpg(ref.pid, signal.SIGKILL)   # its own session: the reference torchrun and its workers
+            ref.wait(timeout=30)
+    log = log_of(sub, job)
+    assert ref.returncode == 0, out[-3000:]
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", (info, log[-3000:])
+    assert "asked 4 worker(s)" in log, log[-3000:]    # 2 on each node, by that node's pid files
+    assert log.count(f"on {names[0]},{names[1]}: 2 node(s) x 2 rank(s) = 4 seat(s); rendezvous {net.addr[0]}:") == 2
+    assert "preempted after round" in log and "requeueing job" in log and "continuing after round" in log
+    assert "Traceback" not in log
+    assert_same_outputs(sub / "cut", sub / "ref", range(N))
+    print(f"two-node test: {time.monotonic() - t0:.1f} s: USR2 at {t_usr2 - t0:.1f} s, done at {t_done - t0:.1f} s")
