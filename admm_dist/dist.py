@@ -135,6 +135,25 @@ class DistContext:
         return self.env.world_size
 
 
+def _init_group(env: DistEnv, backend: str, timeout: datetime.timedelta, from_environ: bool,
+                kwargs: dict) -> None:
+    if env.agent_store:
+        # torchrun's agent keeps one store across restarts: give every attempt its own
+        # key space, or a restarted rank would read the dead attempt's addresses.
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                              is_master=False, timeout=timeout)
+        global _INITS
+        _INITS += 1  # every rank sets up the same sequence of groups: same keys on all
+        store = dist.PrefixStore(f"admm_dist/attempt_{env.restart_count}/group_{_INITS}", store)
+        dist.init_process_group(backend=backend, store=store, rank=env.rank,
+                                world_size=env.world_size, timeout=timeout, **kwargs)
+    else:
+        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                init_method="env://" if from_environ
+                                else f"tcp://{env.master_addr}:{env.master_port}",
+                                timeout=timeout, **kwargs)
+
+
 @contextlib.contextmanager
 def distributed(device: str = "auto", *, timeout_s: float = 300.0,
                 env: Optional[DistEnv] = None) -> Iterator[DistContext]:
@@ -161,21 +180,17 @@ def distributed(device: str = "auto", *, timeout_s: float = 300.0,
     kwargs = {}
     if dev.type == "cuda":
         kwargs["device_id"] = dev
-    if env.agent_store:
-        # torchrun's agent keeps one store across restarts: give every attempt its own
-        # key space, or a restarted rank would read the dead attempt's addresses.
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                              is_master=False, timeout=timeout)
-        global _INITS
-        _INITS += 1  # every rank sets up the same sequence of groups: same keys on all
-        store = dist.PrefixStore(f"admm_dist/attempt_{env.restart_count}/group_{_INITS}", store)
-        dist.init_process_group(backend=backend, store=store, rank=env.rank,
-                                world_size=env.world_size, timeout=timeout, **kwargs)
-    else:
-        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                init_method="env://" if from_environ
-                                else f"tcp://{env.master_addr}:{env.master_port}",
-                                timeout=timeout, **kwargs)
+    try:
+        _init_group(env, backend, timeout, from_environ, kwargs)
+    except (RuntimeError, dist.DistError) as e:   # a peer stopped, died or is unreachable
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+        raise DistConfigError(
+            f"rank {env.rank} could not form the process group of {env.world_size} ranks within "
+            f"timeout_s={timeout_s:g} ({type(e).__name__}: {first}): another rank stopped, died or cannot be "
+            "reached; check every rank's log, GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME and the rendezvous "
+            "address") from None
     try:
         yield DistContext(env=env, device=dev, backend=backend, timeout=timeout)
     finally:

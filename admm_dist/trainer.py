@@ -96,6 +96,7 @@ class Trainer:
         self.talk = (lambda m: None) if (cfg.quiet or ctx.rank != 0) else log
         self.report: Dict[str, object] = {"config": cfg.as_dict()}
         self._agent_models = None   # agent_models backbones, loaded at the first collection
+        self.fit_digest: Optional[str] = None   # content of the first fit set (fingerprint)
         self.t_start = time.time()
 
     # ------------------------------------------------------------------ set-up

@@ -6,11 +6,14 @@ import os
 
 @contextlib.contextmanager
 def subreaper():
-    """While inside, whatever this process's descendants orphan is reparented to it."""
+    """While inside, whatever this process's descendants orphan is reparented to it. Yields
+    ``left()``: the live children that were not there on entry (earlier tests leave some,
+    e.g. multiprocessing's resource tracker, which are none of the code under test's)."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl
+    before = set(live_children())
     assert prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
     try:
-        yield
+        yield lambda: [pid for pid in live_children() if pid not in before]
     finally:
         prctl(36, 0, 0, 0, 0)
 

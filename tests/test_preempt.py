@@ -114,3 +114,45 @@ def test_sigusr2_during_set_up_stops_cleanly_and_the_job_dir_says_so(assets, tmp
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((job / "status.json").read_text())["state"] == "finished"
+
+
+def test_a_rank_stopped_during_start_up_is_one_line_on_the_others(assets, tmp_path):
+    """SIGSTOP one worker as soon as it exists: the others give up within timeout_s with one
+    line each (no DistStoreError/gloo tracebacks from our workers), then it is let go."""
+    import json
+    job = tmp_path / "job"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", ADMM_JOB_DIR=str(job))
+    p = subprocess.Popen(_cmd(_args(assets, tmp_path, timeout_s=8), N), env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    stopped = None
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(os.listdir(job / "pids") if (job / "pids").is_dir() else []) < N:
+            time.sleep(0.005)
+        with open(job / "pids" / sorted(os.listdir(job / "pids"))[0]) as fh:
+            stopped = int(json.load(fh))
+        os.kill(stopped, signal.SIGSTOP)
+        lines, errors = [], 0
+        for line in p.stdout:           # bounded: every other rank fails within timeout_s
+            lines.append(line)
+            errors += "admm_dist.train: error on rank" in line
+            if errors == N - 1 or time.time() > deadline:
+                break
+        os.kill(stopped, signal.SIGCONT)   # torchrun's SIGTERM, pending while stopped, now ends it
+        out, _ = p.communicate(timeout=120)
+        lines.append(out)
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if p.poll() is None:
+            p.kill()
+    text = "".join(lines)
+    errs = [line for line in text.splitlines() if "admm_dist.train: error on rank" in line]
+    assert len(errs) >= N - 1, text[-3000:]
+    assert all("another rank stopped, died or cannot be reached" in e or "timed out" in e.lower()
+               or "peer" in e.lower() for e in errs), errs
+    assert not [line for line in text.splitlines() if line.strip().startswith("File ") and "admm_dist/" in line]
+    assert p.returncode != 0

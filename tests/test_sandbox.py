@@ -22,7 +22,7 @@ import pytest
 
 from admm_dist import sandbox, scoring
 from admm_dist.sandbox import SandboxUnavailable, run_python
-from procs import live_children, subreaper
+from procs import subreaper
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AVAILABLE = sandbox.isolation_available()
@@ -199,13 +199,13 @@ def test_a_setsid_child_does_not_outlive_the_run(tmp_path):
             "        time.sleep(60)\n"
             "    os._exit(0)\n"
             "print('parent leaves')\n")
-    with subreaper():
+    with subreaper() as left:
         t = time.monotonic()
         r = run(code)
         assert r.ok and time.monotonic() - t < 5.0  # it did not wait for the child
         deadline = time.monotonic() + 2.5  # past the moment the child would write
         while time.monotonic() < deadline:
-            assert not live_children() and not any(os.path.exists(p) for p in late)
+            assert not left() and not any(os.path.exists(p) for p in late)
             time.sleep(0.1)
     for p in late[1:]:
         if os.path.exists(p):
@@ -236,7 +236,7 @@ def test_a_fork_bomb_is_limited_and_ends_with_its_timeout():
             "    print(n, flush=True)\n"
             "time.sleep(60)\n")
     watcher = threading.Thread(target=sample, daemon=True)
-    with subreaper():
+    with subreaper() as left:
         watcher.start()
         t = time.monotonic()
         try:
@@ -251,7 +251,7 @@ def test_a_fork_bomb_is_limited_and_ends_with_its_timeout():
         assert counts and counts[-1] < sandbox.NPROC, r.stdout_tail  # never more than the limit
         assert not refused or counts[-1] > sandbox.NPROC // 2  # and the limit is what stopped it
         # When run_python returns, all of it is gone (bwrap exits after its PID namespace).
-        assert not live_children()
+        assert not left()
         # On the host (other users of this machine move the count a little): far from 2000.
         assert max(peak) - base < sandbox.NPROC + 300, (base, max(peak))
         assert host_processes() <= base + 100, (base, host_processes())

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from admm_dist.sandbox import run_python
-from procs import live_children, subreaper
+from procs import subreaper
 from admm_dist.scoring import extract_choice, extract_code, extract_number, score, score_item
 
 
@@ -129,13 +129,13 @@ def test_sandbox_is_isolated_and_cuts_floods():
 def test_sandbox_kills_what_the_code_left_running():
     # The pid the code sees is its sandbox's own (a PID namespace), so look from here: as a
     # child subreaper this process inherits whatever outlives the run. Nothing may.
-    with subreaper():
+    with subreaper() as new_children:
         r = run_python("import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(60)\nelse:\n    print(pid)\n")
         assert r.ok and int(r.stdout_tail) > 0
         deadline = time.monotonic() + 2.0
-        while live_children() and time.monotonic() < deadline:
+        while new_children() and time.monotonic() < deadline:
             time.sleep(0.02)
-        left = live_children()
+        left = new_children()
         for pid in left:
             os.kill(pid, 9)
         assert not left

@@ -42,8 +42,8 @@ def get(name: str) -> TaskSpec:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown task {name!r}: pass --task one of {', '.join(sorted(REGISTRY))} "
-                         "(or --fitset_cache FILE to train on a fit set you built)") from None
+        raise ValueError(f"unknown task {name!r}: choose one of {', '.join(sorted(REGISTRY))} with --task "
+                         "(or train on a fit set you built with --fitset_cache FILE)") from None
 
 
 def load(name: str, **kw) -> List[dict]:
