@@ -127,10 +127,18 @@ def test_a_rank_stopped_during_start_up_is_one_line_on_the_others(assets, tmp_pa
     stopped = None
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and len(os.listdir(job / "pids") if (job / "pids").is_dir() else []) < N:
-            time.sleep(0.005)
-        with open(job / "pids" / sorted(os.listdir(job / "pids"))[0]) as fh:
-            stopped = int(json.load(fh))
+        # the first worker to record its PID is stopped at once: the group cannot have formed
+        # yet, as the others had not all started (they record their PIDs before joining it)
+        while time.time() < deadline and not (os.listdir(job / "pids") if (job / "pids").is_dir() else []):
+            time.sleep(0.002)
+        first = sorted(os.listdir(job / "pids"))[0]
+        for _ in range(100):   # the file appears by rename: its content is complete once it is there
+            try:
+                with open(job / "pids" / first) as fh:
+                    stopped = int(json.load(fh))
+                break
+            except (OSError, ValueError):
+                time.sleep(0.01)
         os.kill(stopped, signal.SIGSTOP)
         lines, errors = [], 0
         for line in p.stdout:           # bounded: every other rank fails within timeout_s
@@ -138,7 +146,10 @@ def test_a_rank_stopped_during_start_up_is_one_line_on_the_others(assets, tmp_pa
             errors += "admm_dist.train: error on rank" in line
             if errors == N - 1 or time.time() > deadline:
                 break
-        os.kill(stopped, signal.SIGCONT)   # torchrun's SIGTERM, pending while stopped, now ends it
+        try:   # torchrun's SIGTERM, pending while stopped, now ends it (unless it was killed already)
+            os.kill(stopped, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
         out, _ = p.communicate(timeout=120)
         lines.append(out)
     finally:
