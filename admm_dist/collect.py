@@ -43,10 +43,10 @@ COLLECT_KEY = ("task", "prompt", "think", "n_agents", "adapt_roles", "credit", "
                "fit_mode", "anchors", "group", "seed", "downstream_seed", "sink_tokens",
                "max_new_tokens", "temperature", "top_p", "anchor_split", "anchor_pass_band",
                "anchor_pool", "anchor_offset", "task_path", "text_mas_context_length",
-               "fit_prompt", "agent_models", "prefix_samples")
+               "fit_prompt", "agent_models", "prefix_samples", "generation_backend")
 # Keys added after fit sets were first written, with the value that reproduces such a file:
 # they enter the key only when set otherwise, so an older cache stays valid.
-LATER_KEYS = {"prefix_samples": 1}
+LATER_KEYS = {"prefix_samples": 1, "generation_backend": "hf"}
 PRESCREEN_SALT = 777000
 
 
@@ -260,13 +260,15 @@ def gold_loglik(runner: ChainRunner, item: dict, texts: Sequence[str]) -> float:
 
 
 # --------------------------------------------------------------------------- the trainer's step
-def chain_runner(cfg, model, tokenizer, *, adapter=None, states=None, seat_models=None) -> ChainRunner:
+def chain_runner(cfg, model, tokenizer, *, adapter=None, states=None, seat_models=None,
+                 generator=None) -> ChainRunner:
     """The chain a TrainConfig describes, on ``model`` (the adapter's wrapped backbone)."""
     runner = ChainRunner(model, tokenizer, ChainConfig(
         n_agents=cfg.n_agents, prompt=cfg.prompt, words=tasks.get(cfg.task).words, think=cfg.think,
         context_tokens=cfg.text_mas_context_length, max_new_tokens=cfg.max_new_tokens,
         sink_tokens=cfg.sink_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-        batch_size=cfg.gen_batch_size), adapter=adapter, seat_states=states, seat_models=seat_models)
+        batch_size=cfg.gen_batch_size), adapter=adapter, seat_states=states, seat_models=seat_models,
+        generator=generator)
     if cfg.reward == "outcome" and runner.cfg.budget(cfg.n_agents - 1) <= 0:
         raise ValueError("--reward outcome needs the final agent to generate (--sink_tokens > 0)")
     return runner

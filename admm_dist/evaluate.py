@@ -40,7 +40,7 @@ from . import queries, tasks
 from .io import atomic_write_bytes, atomic_write_json
 from .mas import ChainConfig, ChainRunner, prompt_modes, role_name
 from .scoring import visible
-from .settings import adapted_seats, parse_agent_models
+from .settings import GENERATION_BACKENDS, adapted_seats, parse_agent_models
 from .tools import (OneLineParser, ToolError, check_model_src, load_model, read_json, resolve_device,
                     run_cli)
 
@@ -69,6 +69,8 @@ def build_parser() -> OneLineParser:
     a("--top_p", type=float, default=0.95)
     a("--samples", type=int, default=1, help="chains per row (needs --temperature > 0 for > 1)")
     a("--batch_size", type=int, default=64)
+    a("--generation_backend", choices=GENERATION_BACKENDS, default="hf",
+      help="hf: transformers generate (seeded per row, bit-for-bit); vllm: a vLLM engine (docs/vllm.md)")
     a("--adapter", default=None, help="a saved B vector (<out>-last/-best.safetensors)")
     a("--deploy", choices=("consensus", "local"), default="consensus")
     a("--state", default=None, help="a training run's <out> folder (node-<i>.safetensors, seat_map.json)")
@@ -270,6 +272,7 @@ def prepare(args):
                 "agent_models": {str(s): p for s, p in agent_models.items()},
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                 "samples": args.samples, "batch_size": args.batch_size, "train_report": report,
+                "generation_backend": args.generation_backend,
                 "leakage_checked_by_file": bool(dep and dep.anchor_keys is not None)}
     return safety, dep, agent_models, chain, rows, settings
 
@@ -285,9 +288,23 @@ def roll_out(args, dep, agent_models, chain, rows, settings, device):
         states = {s: v for s, v in dep.vectors(adapter).items() if s not in agent_models}
         model = adapter.model
     others = {p: load_model(p, device, what="--agent_models") for p in sorted(set(agent_models.values()))}
-    runner = ChainRunner(model, tok, chain, adapter=adapter, seat_states=states,
-                         seat_models={s: others[p] for s, p in agent_models.items()})
-    results = runner.run(rows, samples=args.samples, seed=args.seed, greedy=args.temperature == 0)
+    generator, workdir = None, None
+    if args.generation_backend == "vllm":
+        import shutil
+        import tempfile
+
+        from .mas.vllm_backend import VLLMBackend
+
+        workdir = tempfile.mkdtemp(prefix="admm_dist-vllm-eval-")
+        generator = VLLMBackend(settings["model_name"], tok, adapter, workdir=workdir, seed=args.seed)
+    try:
+        runner = ChainRunner(model, tok, chain, adapter=adapter, seat_states=states,
+                             seat_models={s: others[p] for s, p in agent_models.items()}, generator=generator)
+        results = runner.run(rows, samples=args.samples, seed=args.seed, greedy=args.temperature == 0)
+    finally:
+        if generator is not None:
+            generator.close()
+            shutil.rmtree(workdir, ignore_errors=True)
     return [(item, r) for item, rs in zip(rows, results) for r in rs], sorted(states)
 
 

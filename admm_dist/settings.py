@@ -24,7 +24,12 @@ NON_SEMANTIC = frozenset({
     "out", "report_dir", "quiet", "resume", "checkpoint_every", "keep_checkpoints",
     "k_outer", "timeout_s", "export_peft", "dry_run", "backend", "device", "dev_every",
     "fault_at", "gen_batch_size", "overwrite", "max_delta_w_rel",
+    "vllm_max_model_len", "vllm_kv_cache_gib", "vllm_gpu_memory_utilization",
 })
+# Keys added after checkpoints were first written, with the value that reproduces them: they
+# enter the fingerprint only when set otherwise, so an older run still resumes.
+LATER_KEYS = {"generation_backend": "hf"}
+GENERATION_BACKENDS = ("hf", "vllm")
 
 
 def adapted_seats(adapt_roles: str, n_agents: int) -> List[int]:
@@ -90,6 +95,10 @@ class TrainConfig:
     top_p: float = 0.95
     gen_batch_size: int = 64              # rows per generate call (memory, not semantics)
     gen_chunk: int = 8                    # queries per collection work unit
+    generation_backend: str = "hf"        # hf (transformers, bit-for-bit seeded) | vllm (docs/vllm.md)
+    vllm_max_model_len: int = 4096        # the engine's longest prompt + reply, in tokens
+    vllm_kv_cache_gib: float = 1.0        # CPU: the KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    vllm_gpu_memory_utilization: float = 0.5   # GPU: the engine's share (the trainer holds the rest)
 
     # data
     fitset_cache: Optional[str] = None
@@ -164,6 +173,15 @@ class TrainConfig:
         _choice("consensus", self.consensus, MODES)
         _choice("topology", self.topology, TOPOLOGIES)
         _choice("resume", self.resume, ("never", "auto"))
+        _choice("generation_backend", self.generation_backend, GENERATION_BACKENDS)
+        if self.vllm_max_model_len < 16:
+            raise ValueError(f"vllm_max_model_len={self.vllm_max_model_len}: give the longest prompt + reply "
+                             "in tokens (e.g. 4096)")
+        if not (math.isfinite(self.vllm_kv_cache_gib) and self.vllm_kv_cache_gib > 0):
+            raise ValueError(f"vllm_kv_cache_gib={self.vllm_kv_cache_gib}: give a size in GiB > 0 (e.g. 1)")
+        if not 0 < self.vllm_gpu_memory_utilization < 1:
+            raise ValueError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}: give the "
+                             "engine's share of GPU memory in (0, 1), e.g. 0.5")
         from .mas.prompts import prompt_modes
 
         _choice("prompt", self.prompt, prompt_modes())
@@ -282,5 +300,6 @@ class TrainConfig:
 
     def fingerprint(self) -> str:
         """Hash of every setting that changes what is computed (for checkpoints)."""
-        d = {k: v for k, v in self.as_dict().items() if k not in NON_SEMANTIC}
+        d = {k: v for k, v in self.as_dict().items()
+             if k not in NON_SEMANTIC and LATER_KEYS.get(k, object()) != v}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

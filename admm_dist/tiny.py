@@ -38,7 +38,7 @@ def char_tokenizer(chars: Iterable[str] = DEFAULT_CHARS):
         if ch not in vocab:
             vocab[ch] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # "." skips newlines
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIALS)
     fast = PreTrainedTokenizerFast(

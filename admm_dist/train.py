@@ -20,12 +20,13 @@ from .checkpoint import CheckpointError
 from .comm import CommError
 from .dist import DistConfigError, distributed, read_env
 from .fitset import FitSetError
+from .mas.vllm_backend import VLLMBackendError
 from .preemption import PreemptionFlag, record_pid, write_status
 from .settings import TrainConfig
 from .trainer import Preempted, TrainError, Trainer
 
 USER_ERRORS = (config_mod.ConfigError, ValueError, TrainError, FitSetError, AdapterError,
-               CheckpointError, DistConfigError, NonFiniteError, CommError)
+               CheckpointError, DistConfigError, NonFiniteError, CommError, VLLMBackendError)
 
 HELP = __doc__ + "\nKeys and defaults:\n" + "\n".join(
     f"  --{k} {v!r}" for k, v in TrainConfig().as_dict().items())

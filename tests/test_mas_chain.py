@@ -148,3 +148,10 @@ def test_think_reaches_the_chat_template_and_context_is_clipped_in_tokens(tiny):
     carried = ChainRunner(model, tok, ChainConfig(words="compact")).prompt_text(
         1, item, ["<think>secret</think>7+1=8"])
     assert "secret" not in carried and "\n7+1=8\n" in carried
+
+
+def test_think_needs_a_template_with_a_thinking_switch(tiny):
+    model, tok = tiny      # the char tokenizer's template has no enable_thinking
+    with pytest.raises(ValueError, match="no thinking switch .*use think=false"):
+        ChainRunner(model, tok, ChainConfig(words="compact", think=True))
+    ChainRunner(model, tok, ChainConfig(words="compact", think=False))

@@ -118,7 +118,8 @@ def test_sigusr2_during_set_up_stops_cleanly_and_the_job_dir_says_so(assets, tmp
 
 def test_a_rank_stopped_during_start_up_is_one_line_on_the_others(assets, tmp_path):
     """SIGSTOP one worker as soon as it exists: the others give up within timeout_s with one
-    line each (no DistStoreError/gloo tracebacks from our workers), then it is let go."""
+    line (or are ended by torchrun when another gave up first; no DistStoreError/gloo tracebacks
+    from our workers), then it is let go."""
     import json
     job = tmp_path / "job"
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", ADMM_JOB_DIR=str(job))
@@ -162,7 +163,9 @@ def test_a_rank_stopped_during_start_up_is_one_line_on_the_others(assets, tmp_pa
             p.kill()
     text = "".join(lines)
     errs = [line for line in text.splitlines() if "admm_dist.train: error on rank" in line]
-    assert len(errs) >= N - 1, text[-3000:]
+    # the first rank to give up ends the job: torchrun then terminates the others, which may
+    # still be inside their own wait (they started later), so at least one line, not N - 1
+    assert errs, text[-3000:]
     assert all("another rank stopped, died or cannot be reached" in e or "timed out" in e.lower()
                or "peer" in e.lower() for e in errs), errs
     assert not [line for line in text.splitlines() if line.strip().startswith("File ") and "admm_dist/" in line]

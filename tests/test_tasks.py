@@ -67,3 +67,23 @@ def test_chain_arith_has_its_own_scorer():
     assert tasks.get("chain_arith").words == "compact"
     with pytest.raises(ValueError, match="reads no file"):
         tasks.load("chain_arith", path="x.jsonl")
+
+
+def test_word_arith_asks_chain_arith_problems_in_words_on_the_same_splits():
+    tr, ev = tasks.load("word_arith", split="train", seed=0), tasks.load("word_arith", split="eval", seed=0)
+    assert len(tr) + len(ev) == 760 and len(ev) > 100            # every one-operation problem, once
+    assert not {i["anchor"] for i in tr} & {i["anchor"] for i in ev}
+    assert tasks.load("word_arith", split="eval", seed=0, n=5) == ev[:5]
+    assert tasks.load("word_arith", split="eval", seed=1) != ev     # the seed orders the rows
+    it = next(i for i in ev if i["ops"][0][0] == "*")
+    assert it["question"] == f"What is {it['start']} times {it['ops'][0][1:]}?"
+    assert it["gold"] == str(it["start"] * int(it["ops"][0][1:]))
+    # a pretrained model's free text is scored on its last number (no 'Answer:' line needed)
+    assert tasks.score("word_arith", f"So {it['start']} times 2... the result is {it['gold']}.", it)[1]
+    assert not tasks.score("word_arith", f"{it['gold']} is not right, it is {int(it['gold']) + 1}", it)[1]
+    two = tasks.load("word_arith", split="eval", seed=0, n=3, n_ops=2)
+    assert two[0]["question"].startswith("Start with ") and ", then " in two[0]["question"]
+    with pytest.raises(ValueError, match="ask for 1 to"):
+        tasks.load("word_arith", split="eval", n=10_000)
+    with pytest.raises(ValueError, match="reads no file"):
+        tasks.load("word_arith", split="eval", path="rows.jsonl")

@@ -323,3 +323,15 @@ def test_local_only_with_an_empty_seat_writes_the_seats_that_moved(assets, tmp_p
     # a coupled run with the same empty seat still moves it (it follows the consensus)
     report = _local(_cfg(assets, tmp_path / "coupled", fitset_cache=path, empty_nodes="prox"))
     assert report["delta_w_rel"] > 1e-6
+
+
+def test_an_example_longer_than_the_backbone_positions_names_the_lengths(assets, tmp_path, capsys):
+    from admm_dist import train
+
+    short = save_tiny_backbone(str(tmp_path / "short"), seed=1, hidden=32, layers=2, heads=2, max_positions=24)
+    capsys.readouterr()
+    assert train.main(_args(assets, tmp_path, model_name=short)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has 24 positions (max_position_embeddings): lower max_prompt_tokens" in err[0]
+    assert train.main(_args(assets, tmp_path / "ok", model_name=short, max_prompt_tokens=8,
+                            max_target_tokens=8)) == 0

@@ -13,6 +13,11 @@ and how ``standin check`` measures a seat's influence.
 
 ``seat_models`` (from ``agent_models``) runs a given seat on another backbone, e.g. a
 compromised agent.
+
+``generator`` (``generation_backend vllm``) generates instead of ``model.generate``: a
+:class:`admm_dist.mas.vllm_backend.VLLMBackend` holding the frozen backbone, given the
+seat's state (its B vector, served as that seat's LoRA adapter) with every call. Seats
+on ``seat_models`` still generate with transformers.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ class Rollout:
     prompts: List[str]
     texts: List[str]
     finished: List[bool]
+    n_tokens: List[int] = dataclasses.field(default_factory=list)   # generated per seat (0: given)
 
     @property
     def final_text(self) -> str:
@@ -82,6 +88,19 @@ class ChainConfig:
         return self.max_new_tokens
 
 
+def check_think(tokenizer, think: bool) -> None:
+    """``think=True`` needs a chat template with a thinking switch (``enable_thinking``)."""
+    if not think:
+        return
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str):
+        template = " ".join(map(str, dict(template).values())) if isinstance(template, dict) else str(template)
+    if "enable_thinking" not in template:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ValueError(f"think=true: the chat template of {name} has no thinking switch "
+                         "(enable_thinking): use think=false with this model")
+
+
 class ChainRunner:
     """Roll out the chain. ``adapter`` is a BOnlyLoRA on ``model`` (or None); ``seat_states``
     maps a seat to the B vector it runs with; ``seat_models`` maps a seat to another
@@ -89,13 +108,18 @@ class ChainRunner:
 
     def __init__(self, model, tokenizer, config: ChainConfig, *, adapter=None,
                  seat_states: Optional[Dict[int, torch.Tensor]] = None,
-                 seat_models: Optional[Dict[int, Tuple[object, object]]] = None):
+                 seat_models: Optional[Dict[int, Tuple[object, object]]] = None,
+                 generator=None):
         if adapter is not None and model is not adapter.model:
             raise ValueError("with an adapter, run the chain on adapter.model (the wrapped backbone)")
         self.model, self.tok, self.cfg = model, tokenizer, config
         self.adapter = adapter
         self.seat_states = dict(seat_states or {})
         self.seat_models = dict(seat_models or {})
+        self.generator = generator
+        check_think(tokenizer, config.think)
+        for _, seat_tok in self.seat_models.values():
+            check_think(seat_tok, config.think)
         if self.seat_states and adapter is None:
             raise ValueError("seat_states need an adapter to load them into")
         bad = [s for s in list(self.seat_states) + list(self.seat_models) if not 0 <= s < config.n_agents]
@@ -144,6 +168,7 @@ class ChainRunner:
             raise ValueError(f"a history is longer than the chain's {n} seats")
         prompts: List[List[str]] = [[""] * len(t) for t in texts]
         finished: List[List[bool]] = [[True] * len(t) for t in texts]
+        n_tokens: List[List[int]] = [[0] * len(t) for t in texts]
         start = min((len(t) for t in texts), default=n)
         for seat in range(start, n):
             rows = [r for r, t in enumerate(texts) if len(t) == seat]
@@ -151,16 +176,24 @@ class ChainRunner:
                 continue
             model, tok = self.seat_models.get(seat, (self.model, self.tok))
             ptexts = [self.prompt_text(seat, items[r], texts[r], tokenizer=tok) for r in rows]
-            with self.seat_context(seat, model):
-                gens = generate(model, tok, ptexts, seeds=[seed_of(r, seat) for r in rows],
-                                max_new_tokens=self.cfg.budget(seat), temperature=self.cfg.temperature,
-                                top_p=self.cfg.top_p, batch_size=self.cfg.batch_size)
+            seeds = [seed_of(r, seat) for r in rows]
+            if self.generator is not None and seat not in self.seat_models:
+                gens = self.generator.generate(ptexts, seeds=seeds, max_new_tokens=self.cfg.budget(seat),
+                                            temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                            state=self.seat_states.get(seat))
+            else:
+                with self.seat_context(seat, model):
+                    gens = generate(model, tok, ptexts, seeds=seeds, max_new_tokens=self.cfg.budget(seat),
+                                    temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                    batch_size=self.cfg.batch_size)
             for r, p, g in zip(rows, ptexts, gens):
                 texts[r].append(g.text)
                 prompts[r].append(p)
                 finished[r].append(g.finished)
+                n_tokens[r].append(g.n_tokens)
         samples = samples if samples is not None else [0] * len(items)
-        return [Rollout(items[r], samples[r], prompts[r], texts[r], finished[r]) for r in range(len(items))]
+        return [Rollout(items[r], samples[r], prompts[r], texts[r], finished[r], n_tokens[r])
+                for r in range(len(items))]
 
     # ------------------------------------------------------------------ adapters
     def seat_context(self, seat: int, model):

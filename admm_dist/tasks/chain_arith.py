@@ -93,3 +93,59 @@ def score_chain_arith(text: str, item: dict) -> Tuple[Optional[str], bool]:
 register(TaskSpec("chain_arith", "number", load_chain_arith,
                   "synthetic multi-step arithmetic, one operation per seat",
                   scorer=score_chain_arith, words="compact"))
+
+
+# --------------------------------------------------------------------------- in words
+_WORDS = {"+": "add {a}", "-": "subtract {a}", "*": "multiply by {a}"}
+_ONE = {"+": "plus", "-": "minus", "*": "times"}
+
+
+def in_words(item: Dict[str, object]) -> Dict[str, object]:
+    """The same problem as a natural-language question (``What is 8 times 2?``,
+    ``Start with 8, multiply by 2, then add 3. What number do you get?``)."""
+    ops = list(item["ops"])
+    if len(ops) == 1:
+        question = f"What is {item['start']} {_ONE[ops[0][0]]} {ops[0][1:]}?"
+    else:
+        steps = [_WORDS[o[0]].format(a=o[1:]) for o in ops]
+        question = f"Start with {item['start']}, {', then '.join(steps)}. What number do you get?"
+    out = dict(item, question=question)
+    out["anchor"] = hashlib.sha1(question.encode()).hexdigest()[:16]
+    return out
+
+
+def _one_op_items() -> List[Dict[str, object]]:
+    """Every one-operation problem chain_arith draws (about 760), in a fixed order."""
+    out = []
+    for start in range(2, 41):
+        for op, args in (("+", range(1, 10)), ("-", range(1, 10)), ("*", (2, 3) if start <= 30 else ())):
+            for arg in args:
+                q = f"Start {start}: {op}{arg}"
+                value = _apply(start, op, arg)
+                out.append({"question": q, "gold": str(value), "answer_type": "number",
+                            "anchor": hashlib.sha1(q.encode()).hexdigest()[:16], "start": start,
+                            "ops": [f"{op}{arg}"], "steps": [value]})
+    return out
+
+
+def load_word_arith(split: str = "eval", n: Optional[int] = None, seed: int = 0,
+                    path: Optional[str] = None, n_ops: int = 1) -> List[dict]:
+    """``chain_arith``'s problems (same splits) asked in words, for a pretrained chat model.
+    One operation by default, which a 135M model sometimes gets right: all of that split's
+    problems (about 610 train, 150 eval) in the seed's order, or the first ``n``."""
+    if n_ops > 1:
+        return [in_words(it) for it in load_chain_arith(split, n, seed, path, n_ops)]
+    if path is not None:
+        raise ValueError("word_arith is generated from its seed and reads no file: drop the path")
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r}: use train or eval")
+    items = [it for it in _one_op_items() if split_of(it) == split]
+    random.Random(f"word_arith|{seed}").shuffle(items)
+    if n is not None and not 1 <= n <= len(items):
+        raise ValueError(f"word_arith has {len(items)} one-operation {split} problems: ask for 1 to {len(items)}")
+    return [in_words(it) for it in items[:n]]
+
+
+register(TaskSpec("word_arith", "number", load_word_arith,
+                  "chain_arith asked in words for pretrained chat models (scored on the last number)",
+                  words="default"))

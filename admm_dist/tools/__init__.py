@@ -11,10 +11,13 @@ import os
 import sys
 from typing import Callable, List, Optional, Sequence
 
+from ..mas.vllm_backend import VLLMBackendError   # imports no vLLM; raised when it cannot run
+
 EXIT_BAD_INPUT = 2
 # What bad input raises: ValueError covers AdapterError, FitSetError, DistConfigError and
-# json.JSONDecodeError; OSError covers missing files; ImportError an optional package.
-BAD_INPUT = (ValueError, OSError, ImportError, KeyError)
+# json.JSONDecodeError; OSError covers missing files; ImportError an optional package;
+# VLLMBackendError a vLLM engine that is missing or cannot start.
+BAD_INPUT = (ValueError, OSError, ImportError, KeyError, VLLMBackendError)
 
 
 class ToolError(ValueError):

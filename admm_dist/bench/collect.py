@@ -1,0 +1,229 @@
+"""Collection benchmark: rollouts of the 4-seat chain with transformers (``hf``) and vLLM (``vllm``).
+
+Run (vLLM needs its own environment on CPU, docs/vllm.md)::
+
+    .venv-vllm/bin/python -m admm_dist.bench.collect [--models standin,smollm2] [--backends hf,vllm]
+        [--queries 32] [--samples 4] [--repeats 2] [--threads 2] [--json PATH] [--quick]
+
+What one *collection* is, the same for both backends: ``queries`` training rows of the
+model's task, ``samples`` chains each, through every seat of a 4-seat ``sequential_v2``
+chain (:class:`admm_dist.mas.ChainRunner`, sampled at temperature 0.8, top-p 0.95), each seat
+running with its own LoRA state: a fixed random B vector per seat (seeded, rank 8 on the
+attention projections of the last 2 layers), so that the engine serves four adapters and the
+HF side switches four. Models: ``standin`` (assets/standin, ``chain_arith``, 16 new tokens per
+message) and ``smollm2`` (assets/smollm2 built by ``python -m admm_dist.pretrained smollm2``,
+``word_arith``, 32 new tokens per message); ``qwen3_8b`` (a random-weight model of Qwen3-8B's
+shape, bf16) only on a GPU.
+
+Rows: per model and backend, ``start_s`` (loading the model; for vLLM the engine start),
+then one untimed warm-up collection (vLLM loads the four adapters there), then ``repeats``
+timed collections: ``collect_s`` is their median wall time and ``tok_per_s`` the generated
+tokens (every seat's message, its end-of-turn token included, as ``Generation.n_tokens``)
+over that time. ``pass_rate`` is the fraction of chains the task's scorer accepts (the two
+backends draw different samples, so the rates agree only within sampling noise).
+``vllm_over_hf`` divides the vLLM tokens per second by the HF ones measured in the same run.
+The load of other processes is reported: this machine is shared and noisy.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .comm import _CpuClock, _loadavg, _other_cores
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    name: str
+    folder: str
+    task: str
+    max_new_tokens: int
+
+
+MODELS = {
+    "standin": Model("standin", os.path.join(ROOT, "assets", "standin"), "chain_arith", 16),
+    "smollm2": Model("smollm2", os.path.join(ROOT, "assets", "smollm2"), "word_arith", 32),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    queries: int = 32
+    samples: int = 4
+    repeats: int = 2
+    n_agents: int = 4
+    lora_rank: int = 8
+    lora_layers_last: int = 2
+    threads: int = 2
+
+
+QUICK = Sizes(queries=4, samples=2, repeats=1)
+
+
+def _states(adapter, n_agents: int, seed: int = 0) -> Dict[int, torch.Tensor]:
+    """A fixed random B vector per seat, of a norm that visibly changes the model's output."""
+    g = torch.Generator().manual_seed(seed)
+    n = adapter.numel
+    return {s: (torch.randn(n, generator=g) * 0.02).to(adapter.vector().dtype) for s in range(n_agents)}
+
+
+def _one(model: Model, backend: str, sz: Sizes, device: torch.device, log) -> Dict[str, object]:
+    from .. import queries, tasks
+    from ..adapter import AdapterConfig, BOnlyLoRA
+    from ..mas import ChainConfig, ChainRunner
+    from ..tools import load_model
+
+    t0 = time.perf_counter()
+    m, tok = load_model(model.folder, device)
+    adapter = BOnlyLoRA(m, AdapterConfig(lora_rank=sz.lora_rank, lora_alpha=2.0 * sz.lora_rank,
+                                         lora_layers_last=sz.lora_layers_last, lora_targets="attn_qv",
+                                         lora_basis_seed=0))
+    states = _states(adapter, sz.n_agents)
+    generator, workdir = None, None
+    if backend == "vllm":
+        from ..mas.vllm_backend import VLLMBackend
+
+        workdir = tempfile.mkdtemp(prefix="admm_dist-bench-collect-")
+        generator = VLLMBackend(model.folder, tok, adapter, workdir=workdir, seed=0)
+    start_s = time.perf_counter() - t0
+    spec = tasks.get(model.task)
+    cfg = ChainConfig(n_agents=sz.n_agents, words=spec.words, max_new_tokens=model.max_new_tokens,
+                      batch_size=sz.queries * sz.samples)
+    runner = ChainRunner(adapter.model, tok, cfg, adapter=adapter, seat_states=states, generator=generator)
+    items = queries.pool(model.task, seed=0, split="train")[:sz.queries]
+    try:
+        def collection(seed: int):
+            t = time.perf_counter()
+            runs = runner.run(items, samples=sz.samples, seed=seed)
+            wall = time.perf_counter() - t
+            chains = [r for rs in runs for r in rs]
+            toks = sum(sum(r.n_tokens) for r in chains)
+            ok = sum(tasks.score(model.task, r.final_text, r.item)[1] for r in chains)
+            return wall, toks, ok / len(chains)
+
+        collection(1000)                       # warm-up: caches, adapters loaded into the engine
+        walls, toks, rates = [], [], []
+        for k in range(sz.repeats):
+            w, n, p = collection(k)
+            walls.append(w)
+            toks.append(n)
+            rates.append(p)
+            log(f"  {model.name} {backend}: collection {k + 1}/{sz.repeats} {w:.2f} s, {n} tokens, "
+                f"pass rate {p:.3f}")
+    finally:
+        if generator is not None:
+            generator.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+    med = statistics.median(walls)
+    return {"model": model.name, "backend": backend, "task": model.task, "start_s": round(start_s, 2),
+            "collect_s": round(med, 3), "collect_all_s": [round(w, 3) for w in walls],
+            "tokens": toks, "tok_per_s": round(statistics.median(toks) / med, 1),
+            "pass_rate": round(statistics.mean(rates), 4),
+            "chains": sz.queries * sz.samples, "messages": sz.queries * sz.samples * sz.n_agents}
+
+
+def run(models: Sequence[str], backends: Sequence[str], sz: Sizes, log=print) -> Dict[str, object]:
+    torch.set_num_threads(sz.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    load_before = _loadavg()
+    busy0, own0, wall0 = _CpuClock.machine_busy_s(), _CpuClock.own_s(), time.perf_counter()
+    rows: List[Dict[str, object]] = []
+    for name in models:
+        model = MODELS[name]
+        if not os.path.isfile(os.path.join(model.folder, "config.json")):
+            log(f"# skipping {name}: {model.folder} does not exist (python -m admm_dist.pretrained {name})")
+            continue
+        for backend in backends:
+            rows.append(_one(model, backend, sz, device, log))
+    wall = time.perf_counter() - wall0
+    for r in rows:
+        hf = next((x for x in rows if x["model"] == r["model"] and x["backend"] == "hf"), None)
+        r["vllm_over_hf"] = (round(r["tok_per_s"] / hf["tok_per_s"], 2)
+                             if hf and r["backend"] == "vllm" and hf["tok_per_s"] else None)
+    return {"rows": rows, "sizes": dataclasses.asdict(sz), "device": str(device),
+            "torch": torch.__version__, "vllm": _version("vllm"), "transformers": _version("transformers"),
+            "loadavg_1min_before": load_before, "loadavg_1min_after": _loadavg(), "wall_s": round(wall, 1),
+            "cpu_cores": os.cpu_count(),
+            "other_processes_cores": _other_cores(busy0, _CpuClock.machine_busy_s(),
+                                                  _CpuClock.own_s() - own0, wall)}
+
+
+def _version(dist: str) -> Optional[str]:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def format_table(r: Dict[str, object]) -> str:
+    head = (f"{'model':<9} {'backend':<7} {'start s':>8} {'collect s':>10} {'tokens':>7} {'tok/s':>8} "
+            f"{'pass':>6} {'vllm/hf':>8}")
+    lines = [head, "-" * len(head)]
+    for x in r["rows"]:
+        ratio = "" if x["vllm_over_hf"] is None else f"{x['vllm_over_hf']:.2f}"
+        lines.append(f"{x['model']:<9} {x['backend']:<7} {x['start_s']:>8.1f} {x['collect_s']:>10.2f} "
+                     f"{int(statistics.median(x['tokens'])):>7} {x['tok_per_s']:>8.1f} {x['pass_rate']:>6.3f} "
+                     f"{ratio:>8}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m admm_dist.bench.collect", description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="standin,smollm2", help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--backends", default="hf,vllm", help="comma list of hf, vllm")
+    ap.add_argument("--queries", type=int, default=None, help="rows per collection (default 32; --quick 4)")
+    ap.add_argument("--samples", type=int, default=None, help="chains per row (default 4; --quick 2)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed collections (default 2; --quick 1)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
+    ap.add_argument("--json", metavar="PATH", help="write the results here (a JSON dict), atomically")
+    ap.add_argument("--quick", action="store_true", help="smoke test: tiny sizes")
+    a = ap.parse_args(argv)
+    models = [m for m in a.models.split(",") if m]
+    backends = [b for b in a.backends.split(",") if b]
+    bad = [m for m in models if m not in MODELS] + [b for b in backends if b not in ("hf", "vllm")]
+    if bad:
+        ap.error(f"unknown {bad}: models are {', '.join(MODELS)}; backends are hf, vllm")
+    sz = QUICK if a.quick else Sizes()
+    over = {k: v for k, v in (("queries", a.queries), ("samples", a.samples), ("repeats", a.repeats),
+                              ("threads", a.threads)) if v is not None}
+    sz = dataclasses.replace(sz, **over)
+    if min(sz.queries, sz.samples, sz.repeats, sz.threads) < 1:
+        ap.error("--queries, --samples, --repeats and --threads must be >= 1")
+    if "vllm" in backends:
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            ap.error("backend vllm needs vLLM in this environment: see docs/vllm.md (.venv-vllm on CPU), "
+                     "or pass --backends hf")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    print(f"# collection benchmark: {sz.queries} queries x {sz.samples} chains x {sz.n_agents} seats, one LoRA "
+          f"state per seat (rank {sz.lora_rank}), {sz.threads} torch threads; torch {torch.__version__}",
+          flush=True)
+    r = run(models, backends, sz, log=lambda *x: print(*x, flush=True))
+    print(format_table(r))
+    other = r["other_processes_cores"]
+    print(f"# load average 1 min before/after: {r['loadavg_1min_before']}/{r['loadavg_1min_after']}; other "
+          f"processes used about {'?' if other is None else f'{other:.2f}'} cores; wall {r['wall_s']:.1f} s")
+    if a.json:
+        from ..io import atomic_write_json
+
+        atomic_write_json(a.json, r)
+        print(f"# wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

