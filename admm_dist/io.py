@@ -49,3 +49,17 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 def atomic_write_json(path: str, obj: Any, *, indent: int = 2) -> None:
     text = json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=False)
     atomic_write_bytes(path, (text + "\n").encode("utf-8"))
+
+
+def replace_dir(tmp: str, dst: str) -> None:
+    """Put the finished folder ``tmp`` (a sibling of ``dst``) at ``dst``: one rename when
+    ``dst`` is new; else the old folder moves aside, ``tmp`` takes its place, the old is removed."""
+    import shutil
+
+    if os.path.isdir(dst):
+        old = f"{tmp}.old"
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dst)

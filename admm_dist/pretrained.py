@@ -124,29 +124,17 @@ def build(name: str, out: str, *, log=print) -> str:
                 "built_by": "python -m admm_dist.pretrained", "transformers": _version("transformers")}
         aio.atomic_write_bytes(os.path.join(tmp, "source.json"),
                                (json.dumps(card, indent=2, sort_keys=True) + "\n").encode())
-        umask = _umask()
+        umask = aio.current_umask()
         os.chmod(tmp, 0o777 & ~umask)
         for fn in os.listdir(tmp):                 # safetensors writes 0600: readable by the job's user
             os.chmod(os.path.join(tmp, fn), 0o666 & ~umask)
-        if os.path.isdir(out):
-            old = tmp + ".old"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        aio.replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log(f"[pretrained] wrote {out} ({type(plain).__name__}, {sum(t.numel() for t in plain.parameters()):,} "
         f"parameters, vocab {config.vocab_size})")
     return out
-
-
-def _umask() -> int:
-    old = os.umask(0)
-    os.umask(old)
-    return old
 
 
 def _version(dist: str) -> Optional[str]:

@@ -228,13 +228,7 @@ def save(out: str, model, tok, info: Dict[str, object]) -> None:
                            (json.dumps(card, indent=2, sort_keys=True) + "\n").encode())
     for name in os.listdir(tmp):
         os.chmod(os.path.join(tmp, name), 0o644)   # readable by whoever runs the job
-    if os.path.isdir(out):
-        old = tmp + ".old"
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
+    aio.replace_dir(tmp, out)
 
 
 def folder_digest(folder: str) -> Dict[str, str]:

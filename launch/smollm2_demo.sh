@@ -31,7 +31,7 @@ echo "== on-policy collection and ADMM training ($NPROC ranks)"
     model_name="$MODEL" out="$OUT" report_dir="$RES" export_peft=true overwrite=true
 echo "== after training"
 "${EVAL[@]}" --adapter "$OUT-last.safetensors" --model_name "$MODEL" \
-    --train_report "$RES/smollm2-train.json" --json "$RES/smollm2-after.json"
+    --train_report "$RES/$(basename "$OUT")-train.json" --json "$RES/smollm2-after.json"
 "$PY" - "$RES" <<'PY'
 import json, sys
 b, a = (json.load(open(f"{sys.argv[1]}/smollm2-{k}.json")) for k in ("before", "after"))

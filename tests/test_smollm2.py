@@ -64,7 +64,7 @@ def test_demo_collects_trains_on_four_ranks_exports_peft_and_evaluates_the_adapt
                        capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "4 node(s)" in r.stdout and "with the trained adapter" in r.stdout
-    rep = json.load(open(tmp_path / "res" / "smollm2-train.json"))
+    rep = json.load(open(tmp_path / "res" / "run-train.json"))      # <report_dir>/<basename of out>-train.json
     assert rep["n_nodes"] == 4 and rep["collections"][0]["examples"] > 0
     after = json.load(open(tmp_path / "res" / "smollm2-after.json"))
     before = json.load(open(tmp_path / "res" / "smollm2-before.json"))

