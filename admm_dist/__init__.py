@@ -1,8 +1,24 @@
 """admm_dist: consensus-ADMM training of an LLM multi-agent system, one torchrun rank per seat.
 
-Entry points: ``python -m admm_dist.train`` (the trainer), ``python -m admm_dist.lsq`` (the
-engine on distributed least squares), ``python -m admm_dist.bench.comm`` and
-``python -m admm_dist.bench.xstep`` (benchmarks). See README.md and DESIGN.md.
+Entry points: ``python -m admm_dist.train`` (the trainer), ``python -m admm_dist.evaluate``
+(the chain on a task's evaluation rows), ``python -m admm_dist.engine.lsq`` (the engine on
+distributed least squares) and ``python -m admm_dist.bench.<name>`` (benchmarks).
+
+The package is layered, bottom to top; a module imports only from its own layer and those
+below it (``tests/test_layers.py``):
+
+    core      errors, atomic files, config files, shared text conventions, constants
+    engine    environment and process group, communicators, ADMM, preemption
+    model     backbone loading, the B-only LoRA adapter, objectives
+    tasks     task registry, loaders, scoring, the code sandbox
+    data      fit sets, the query pool
+    mas       seats, prompts, generation, the chain, collection, evaluation, judge
+    training  the run's config, the trainer, checkpoints, outputs
+    testing   tiny and stand-in backbones, synthetic fit sets
+    cli       argument parsing for every command
+    bench     benchmarks
+
+See README.md and DESIGN.md.
 """
 
 __version__ = "0.1.0"

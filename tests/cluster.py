@@ -457,8 +457,8 @@ def tiny_assets(folder: Path, n_agents: int) -> Dict[str, str]:
     """Tiny backbone + synthetic fit set (as tests/test_preempt.py): seconds per round on CPU."""
     from transformers import AutoTokenizer
 
-    from admm_dist.synthetic import write_fitset
-    from admm_dist.tiny import save_tiny_backbone
+    from admm_dist.testing.synthetic import write_fitset
+    from admm_dist.testing.tiny import save_tiny_backbone
 
     folder = Path(folder)
     bb = save_tiny_backbone(str(folder / "backbone"), seed=1, hidden=32, layers=2, heads=2)

@@ -23,8 +23,8 @@ def tiny_assets(tmp_path_factory):
         if n_agents not in made:
             from transformers import AutoTokenizer
 
-            from admm_dist.synthetic import write_fitset
-            from admm_dist.tiny import save_tiny_backbone
+            from admm_dist.testing.synthetic import write_fitset
+            from admm_dist.testing.tiny import save_tiny_backbone
 
             d = tmp_path_factory.mktemp(f"tiny{n_agents}")
             bb = save_tiny_backbone(str(d / "backbone"), seed=1, hidden=32, layers=2, heads=2)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from admm_dist.adapter import (LORA_TARGETS, AdapterConfig, AdapterError, BOnlyLoRA,
-                               check_same_basis, hash_to_int64_row, int64_row_to_hash,
-                               load_vector, save_vector)
-from admm_dist.tiny import char_tokenizer, tiny_qwen3
+from admm_dist.model.adapter import (
+    LORA_TARGETS, AdapterConfig, AdapterError, BOnlyLoRA, check_same_basis, hash_to_int64_row,
+    int64_row_to_hash, load_vector, save_vector)
+from admm_dist.testing.tiny import char_tokenizer, tiny_qwen3
 
 HIDDEN, INTER, LAYERS = 64, 256, 2  # tiny_qwen3 defaults: 4 heads of 16, intermediate 4*hidden
 
@@ -380,8 +380,8 @@ def test_export_peft_reproduces_logits(vocab, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fast_b_only_forward_matches_peft_generic_forward(vocab, dtype):
     """The fused B-only layer computes what PEFT's LoRA layer computes, values and B grads."""
-    from admm_dist.adapter import AdapterConfig, BOnlyLoRA
-    from admm_dist.tiny import tiny_qwen3
+    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
+    from admm_dist.testing.tiny import tiny_qwen3
 
     ids = batch(vocab, 3)
     outs = []

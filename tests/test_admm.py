@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from admm_dist.admm import ADMMConfig, ADMMEngine, NonFiniteError
-from admm_dist.comm import CONSENSUS, TOPOLOGIES, LocalCommunicator
-from admm_dist.lsq import LeastSquares, solve
+from admm_dist.engine.admm import ADMMConfig, ADMMEngine, NonFiniteError
+from admm_dist.engine.comm import CONSENSUS, TOPOLOGIES, LocalCommunicator
+from admm_dist.engine.lsq import LeastSquares, solve
 
 
 def rel(a, b):

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from admm_dist.admm import ADMMConfig, ADMMEngine
-from admm_dist.comm import LocalCommunicator, make_communicator, ring_bytes_per_rank
-from admm_dist.launcher import launch_cpu
-from admm_dist.lsq import LeastSquares
+from admm_dist.engine.admm import ADMMConfig, ADMMEngine
+from admm_dist.engine.comm import LocalCommunicator, make_communicator, ring_bytes_per_rank
+from admm_dist.engine.launcher import launch_cpu
+from admm_dist.engine.lsq import LeastSquares
 
 ROUNDS = 60
 DIM = 15  # not divisible by the node counts below

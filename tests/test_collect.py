@@ -5,10 +5,11 @@ import json
 
 import pytest
 
-from admm_dist import fitset as fs
-from admm_dist import standin, tasks
-from admm_dist.collect import PRESCREEN_SALT, Collector, gather_json
-from admm_dist.launcher import launch_cpu
+from admm_dist.data import fitset as fs
+from admm_dist.testing import standin
+from admm_dist import tasks
+from admm_dist.mas.collection import PRESCREEN_SALT, Collector, gather_json
+from admm_dist.engine.launcher import launch_cpu
 from admm_dist.mas import ChainConfig, ChainRunner
 from admm_dist.tasks.chain_arith import load_chain_arith
 
@@ -114,7 +115,7 @@ def test_judge_reward_is_not_collected_on_policy(runner):
 def _collect_on_ranks(ctx, credit):
     import torch
 
-    from admm_dist.comm import make_communicator
+    from admm_dist.engine.comm import make_communicator
     torch.set_num_threads(1)
     model, tok = standin.load()
     run = ChainRunner(model, tok, ChainConfig(n_agents=4, words="compact", max_new_tokens=16, batch_size=256))

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from admm_dist.comm import (TOPOLOGIES, CommError, LocalCommunicator, make_communicator,
-                            ring_bytes_per_rank)
-from admm_dist.comm.wire import interface_tx_bytes
-from admm_dist.launcher import launch_cpu
+from admm_dist.engine.comm import (
+    TOPOLOGIES, CommError, LocalCommunicator, make_communicator, ring_bytes_per_rank)
+from admm_dist.engine.comm.wire import interface_tx_bytes
+from admm_dist.engine.launcher import launch_cpu
 
 P_ODD = 1001  # not divisible by 2, 3 or 4
 
@@ -171,7 +171,7 @@ def _wrong_nodes(ctx):
 
 
 def _segmented_ring(ctx, p, seg):
-    from admm_dist.comm import process_group
+    from admm_dist.engine.comm import process_group
 
     process_group.RingCommunicator.segment_numel = seg  # force several segments per chunk
     process_group.RingCommunicator.segment_above = seg

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from admm_dist import config as C
-from admm_dist.settings import TrainConfig
+from admm_dist.core import config_file as C
+from admm_dist.training.config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True))
@@ -22,8 +22,8 @@ def test_config_file_loads_and_validates(path):
     cfg = C.load(TrainConfig, ["--config", path])
     assert cfg.n_nodes() >= 1
     if "/cpu/" in path:  # the small CPU runs use files shipped in the repository or built offline
-        from admm_dist.pretrained import MODELS
-        built = {p.folder for p in MODELS.values()}       # python -m admm_dist.pretrained NAME builds them
+        from admm_dist.model.pretrained import MODELS
+        built = {p.folder for p in MODELS.values()}       # python -m admm_dist.model.pretrained NAME builds them
         assert cfg.model_name in built or os.path.isdir(os.path.join(ROOT, cfg.model_name))
         if cfg.fitset_cache:
             assert os.path.isfile(os.path.join(ROOT, cfg.fitset_cache))

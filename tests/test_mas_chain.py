@@ -109,7 +109,7 @@ def test_sink_budget_zero_means_the_last_seat_is_silent(tiny):
 
 def test_adapter_state_is_switched_per_seat(tiny):
     from transformers import AutoModelForCausalLM
-    from admm_dist.adapter import AdapterConfig, BOnlyLoRA
+    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
 
     model, tok = tiny
     fresh = AutoModelForCausalLM.from_pretrained(TINY, local_files_only=True).eval()

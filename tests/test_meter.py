@@ -1,7 +1,7 @@
 import pytest
 
-from admm_dist.comm import ByteMeter, chunk_bounds, chunk_sizes, ring_bytes_per_rank
-from admm_dist.comm.meter import CONSENSUS, TELEMETRY
+from admm_dist.engine.comm import ByteMeter, chunk_bounds, chunk_sizes, ring_bytes_per_rank
+from admm_dist.engine.comm.meter import CONSENSUS, TELEMETRY
 
 
 @pytest.mark.parametrize("numel,n", [(10, 3), (1001, 4), (7, 7), (5, 8), (12, 4)])

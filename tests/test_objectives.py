@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from admm_dist import objectives as O
-from admm_dist.tiny import char_tokenizer, tiny_qwen3
+from admm_dist.model import objectives as O
+from admm_dist.testing.tiny import char_tokenizer, tiny_qwen3
 
 try:
-    from admm_dist.fitset import Example
+    from admm_dist.data.fitset import Example
 except ImportError:  # pragma: no cover - fitset.py is written in parallel
     import dataclasses
     from typing import Optional

@@ -1,4 +1,4 @@
-"""Real pretrained models from packages (admm_dist.pretrained): what fails says how to fix it.
+"""Real pretrained models from packages (admm_dist.model.pretrained): what fails says how to fix it.
 
 The end-to-end run on SmolLM2 is tests/test_smollm2.py (slow)."""
 import subprocess
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from admm_dist import pretrained
-from admm_dist.pretrained import Packaged, PretrainedError
+from admm_dist.model import pretrained
+from admm_dist.model.pretrained import Packaged, PretrainedError
 
 
 def test_unknown_model_and_missing_wheel_name_the_fix():
@@ -19,7 +19,7 @@ def test_unknown_model_and_missing_wheel_name_the_fix():
 
 
 def test_cli_refuses_an_unknown_model_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "admm_dist.pretrained", "nope", "--out", "x"],
+    r = subprocess.run([sys.executable, "-m", "admm_dist.model.pretrained", "nope", "--out", "x"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "invalid choice" in r.stderr
 

@@ -1,7 +1,7 @@
 """Which rows train and which evaluate: seeded pool order, fresh slices, the leakage refusal."""
 import pytest
 
-from admm_dist import queries
+from admm_dist.data import queries
 
 
 def test_pool_is_a_seeded_shuffle_of_the_task():

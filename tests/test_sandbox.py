@@ -20,8 +20,8 @@ import zlib
 
 import pytest
 
-from admm_dist import sandbox, scoring
-from admm_dist.sandbox import SandboxUnavailable, run_python
+from admm_dist.tasks import sandbox, scoring
+from admm_dist.tasks.sandbox import SandboxUnavailable, run_python
 from procs import subreaper
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

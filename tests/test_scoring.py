@@ -4,9 +4,9 @@ import time
 
 import pytest
 
-from admm_dist.sandbox import run_python
+from admm_dist.tasks.sandbox import run_python
 from procs import subreaper
-from admm_dist.scoring import extract_choice, extract_code, extract_number, score, score_item
+from admm_dist.tasks.scoring import extract_choice, extract_code, extract_number, score, score_item
 
 
 @pytest.mark.parametrize("text,want", [

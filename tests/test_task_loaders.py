@@ -7,7 +7,7 @@ import types
 import pytest
 
 from admm_dist import tasks
-from admm_dist.scoring import score_item
+from admm_dist.tasks.scoring import score_item
 from admm_dist.tasks.common import anchor
 
 EXPECTED = {"gsm8k": "number", "aime2024": "number", "aime2025": "number", "gpqa": "choice",

@@ -2,7 +2,7 @@
 import pytest
 
 from admm_dist import tasks
-from admm_dist.scoring import extract_number, score
+from admm_dist.tasks.scoring import extract_number, score
 from admm_dist.tasks.chain_arith import _apply, split_of
 
 

@@ -4,7 +4,7 @@ import os
 import pytest
 from transformers import AutoTokenizer
 
-from admm_dist.tiny import DEFAULT_CHARS, char_tokenizer
+from admm_dist.testing.tiny import DEFAULT_CHARS, char_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,11 +5,11 @@ import os
 
 import pytest
 
-from admm_dist import fitset as fs
-from admm_dist import judge as J
-from admm_dist.evaluate import main as evaluate
-from admm_dist.tools.build_fitset import main as build_fitset
-from admm_dist.tools.judge_fitset import main as judge_fitset
+from admm_dist.data import fitset as fs
+from admm_dist.mas import judge as J
+from admm_dist.mas.evaluation import main as evaluate
+from admm_dist.cli.build_fitset import main as build_fitset
+from admm_dist.cli.judge_fitset import main as judge_fitset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = os.path.join(ROOT, "assets", "standin")
@@ -150,9 +150,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, arith, capsys, tool, argv, w
 
 def test_train_with_reward_judge_on_stored_trajectories(tmp_path, harm):
     """The seed's safety path: trajectories -> build_fitset -> judge_fitset -> train --reward judge."""
-    from admm_dist.dist import distributed, read_env
-    from admm_dist.settings import TrainConfig
-    from admm_dist.trainer import Trainer, TrainError
+    from admm_dist.engine.dist import distributed, read_env
+    from admm_dist.training.config import TrainConfig
+    from admm_dist.training.trainer import Trainer, TrainError
 
     built, judged = str(tmp_path / "fs.jsonl"), str(tmp_path / "judged.jsonl")
     assert build_fitset(["--trajectories", str(harm / "t.jsonl"), "--out", built]) == 0

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from admm_dist.comm import TOPOLOGIES, mixing_matrix, neighbours
-from admm_dist.comm.topology import is_connected
+from admm_dist.engine.comm import TOPOLOGIES, mixing_matrix, neighbours
+from admm_dist.engine.comm.topology import is_connected
 
 
 # every graph at every size it exists for (a prime count > 3 has no grid: test_graph_shapes)

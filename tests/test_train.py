@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from admm_dist.launcher import launch_cpu
-from admm_dist.settings import TrainConfig
-from admm_dist.synthetic import write_fitset
-from admm_dist.tiny import save_tiny_backbone
-from admm_dist.trainer import Trainer
+from admm_dist.engine.launcher import launch_cpu
+from admm_dist.training.config import TrainConfig
+from admm_dist.testing.synthetic import write_fitset
+from admm_dist.testing.tiny import save_tiny_backbone
+from admm_dist.training.trainer import Trainer
 
 N = 3
 
@@ -53,7 +53,7 @@ def _train_worker(ctx, cfg):
 
 
 def _local(cfg):
-    from admm_dist.dist import distributed, read_env
+    from admm_dist.engine.dist import distributed, read_env
 
     with distributed("cpu", env=read_env({})) as ctx:
         return Trainer(cfg, ctx).train()
@@ -119,7 +119,7 @@ def test_dpo_loss_falls_and_the_exported_peft_adapter_reproduces_logits(assets, 
     base = AutoModelForCausalLM.from_pretrained(assets["backbone"])
     ids = torch.tensor([[5, 9, 17, 33, 2, 40, 41]])
     peft = PeftModel.from_pretrained(base, cfg.out + "-last-peft").eval()
-    from admm_dist.adapter import AdapterConfig, BOnlyLoRA, load_vector
+    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA, load_vector
 
     ad = BOnlyLoRA(AutoModelForCausalLM.from_pretrained(assets["backbone"]),
                    AdapterConfig(lora_rank=4, lora_alpha=8.0, lora_layers_last=2, lora_basis_seed=42))
@@ -182,7 +182,7 @@ def test_non_finite_loss_stops_every_rank_with_round_and_node(assets, tmp_path):
 
 
 def test_bad_fitsets_and_checkpoints_are_one_clear_line(assets, tmp_path):
-    from admm_dist import train
+    from admm_dist.cli import train
 
     def run(**kw):
         out = tmp_path / "x"
@@ -194,7 +194,7 @@ def test_bad_fitsets_and_checkpoints_are_one_clear_line(assets, tmp_path):
     assert rc == 1 and not os.path.exists(str(out / "run-last.safetensors"))
     # corrupt file
     bad = tmp_path / "corrupt.jsonl"
-    bad.write_text('{"format": "admm_dist.fitset", "version": 1\n{not json')
+    bad.write_text('{"format": "admm_dist.data.fitset", "version": 1\n{not json')
     assert run(fitset_cache=str(bad))[0] == 1
     # built under other settings
     other = write_fitset(str(tmp_path / "other.jsonl"), per_seat=16,
@@ -208,7 +208,7 @@ def test_bad_fitsets_and_checkpoints_are_one_clear_line(assets, tmp_path):
 
 
 def test_bad_input_messages(assets, tmp_path, capsys):
-    from admm_dist import train
+    from admm_dist.cli import train
 
     train.main(_args(assets, tmp_path, fitset_cache=str(tmp_path / "missing.jsonl")))
     err = capsys.readouterr().err.strip().splitlines()
@@ -226,7 +226,7 @@ def test_bad_input_messages(assets, tmp_path, capsys):
 
 
 def test_an_adapter_that_did_not_move_is_not_written(assets, tmp_path, capsys):
-    from admm_dist import train
+    from admm_dist.cli import train
 
     rc = train.main(_args(assets, tmp_path, eta=1e-13, k_outer=1, local_steps=1))
     err = [l for l in capsys.readouterr().err.splitlines() if "error" in l]
@@ -274,7 +274,7 @@ def dataclass_replace(cfg, **kw):
 def _basis_worker(ctx, cfg):
     import dataclasses
 
-    from admm_dist.adapter import AdapterError
+    from admm_dist.model.adapter import AdapterError
 
     cfg = dataclasses.replace(cfg, lora_basis_seed=7 if ctx.rank == 2 else 42)
     try:
@@ -307,7 +307,7 @@ def test_sft_rsft_and_derived_dpo_from_an_sft_fit_set(assets, tmp_path, fit_mode
 def test_local_only_with_an_empty_seat_writes_the_seats_that_moved(assets, tmp_path):
     """A seat with no examples has nothing to learn under local_only (f_i = 0, no coupling):
     its x_i stays at x^0, and only the seats that had examples are required to move."""
-    from admm_dist import fitset as fs
+    from admm_dist.data import fitset as fs
 
     f = fs.load_fitset(assets["dpo"])
     keep = [e for e in f.examples if e.seat != 2]
@@ -326,7 +326,7 @@ def test_local_only_with_an_empty_seat_writes_the_seats_that_moved(assets, tmp_p
 
 
 def test_an_example_longer_than_the_backbone_positions_names_the_lengths(assets, tmp_path, capsys):
-    from admm_dist import train
+    from admm_dist.cli import train
 
     short = save_tiny_backbone(str(tmp_path / "short"), seed=1, hidden=32, layers=2, heads=2, max_positions=24)
     capsys.readouterr()

@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from admm_dist import standin
-from admm_dist.fitset import load_fitset
-from admm_dist.launcher import launch_cpu
-from admm_dist.settings import TrainConfig
-from admm_dist.trainer import Trainer, TrainError
+from admm_dist.testing import standin
+from admm_dist.data.fitset import load_fitset
+from admm_dist.engine.launcher import launch_cpu
+from admm_dist.training.config import TrainConfig
+from admm_dist.training.trainer import Trainer, TrainError
 
 
 def _cfg(tmp, **kw):
@@ -26,7 +26,7 @@ def _cfg(tmp, **kw):
 
 
 def _local(cfg):
-    from admm_dist.dist import distributed, read_env
+    from admm_dist.engine.dist import distributed, read_env
 
     with distributed("cpu", env=read_env({})) as ctx:
         return Trainer(cfg, ctx).train()

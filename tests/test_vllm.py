@@ -58,10 +58,10 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from admm_dist.adapter import AdapterConfig, BOnlyLoRA
+    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
     from admm_dist.mas import ChainRunner
     from admm_dist.mas.vllm_backend import VLLMBackend
-    from admm_dist.standin import chain_config, load
+    from admm_dist.testing.standin import chain_config, load
 
     model, tok = load(STANDIN)
     ad = BOnlyLoRA(model, AdapterConfig(**ADAPTER))
@@ -319,9 +319,9 @@ RANK_SCRIPT = textwrap.dedent('''
         torch.set_num_threads(1)
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=240))
         rank = dist.get_rank()
-        from admm_dist.adapter import AdapterConfig, BOnlyLoRA
+        from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
         from admm_dist.mas.vllm_backend import VLLMBackend
-        from admm_dist.standin import load
+        from admm_dist.testing.standin import load
         model, tok = load(standin)
         ad = BOnlyLoRA(model, AdapterConfig(**adapter_kw))
         vec = torch.randn(ad.numel, generator=torch.Generator().manual_seed(1)) * scale

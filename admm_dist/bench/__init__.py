@@ -1,0 +1,2 @@
+"""Benchmarks that print figures measured side by side: ``python -m admm_dist.bench.<name>``
+(comm, xstep, fidelity, collect). The top layer: anything below may be imported."""

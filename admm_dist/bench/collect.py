@@ -11,7 +11,7 @@ chain (:class:`admm_dist.mas.ChainRunner`, sampled at temperature 0.8, top-p 0.9
 running with its own LoRA state: a fixed random B vector per seat (seeded, rank 8 on the
 attention projections of the last 2 layers), so that the engine serves four adapters and the
 HF side switches four. Models: ``standin`` (assets/standin, ``chain_arith``, 16 new tokens per
-message) and ``smollm2`` (assets/smollm2 built by ``python -m admm_dist.pretrained smollm2``,
+message) and ``smollm2`` (assets/smollm2 built by ``python -m admm_dist.model.pretrained smollm2``,
 ``word_arith``, 32 new tokens per message); ``qwen3_8b`` (a random-weight model of Qwen3-8B's
 shape, bf16) only on a GPU.
 
@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .comm import _CpuClock, _loadavg, _other_cores
+from admm_dist.bench.comm import _CpuClock, _loadavg, _other_cores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -82,10 +82,11 @@ def _states(adapter, n_agents: int, seed: int = 0) -> Dict[int, torch.Tensor]:
 
 
 def _one(model: Model, backend: str, sz: Sizes, device: torch.device, log) -> Dict[str, object]:
-    from .. import queries, tasks
-    from ..adapter import AdapterConfig, BOnlyLoRA
-    from ..mas import ChainConfig, ChainRunner
-    from ..tools import load_model
+    from admm_dist.data import queries
+    from admm_dist import tasks
+    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
+    from admm_dist.mas import ChainConfig, ChainRunner
+    from admm_dist.model.loading import load_model
 
     t0 = time.perf_counter()
     m, tok = load_model(model.folder, device)
@@ -95,7 +96,7 @@ def _one(model: Model, backend: str, sz: Sizes, device: torch.device, log) -> Di
     states = _states(adapter, sz.n_agents)
     generator, workdir = None, None
     if backend == "vllm":
-        from ..mas.vllm_backend import VLLMBackend
+        from admm_dist.mas.vllm_backend import VLLMBackend
 
         workdir = tempfile.mkdtemp(prefix="admm_dist-bench-collect-")
         generator = VLLMBackend(model.folder, tok, adapter, workdir=workdir, seed=0)
@@ -145,7 +146,7 @@ def run(models: Sequence[str], backends: Sequence[str], sz: Sizes, log=print) ->
     for name in models:
         model = MODELS[name]
         if not os.path.isfile(os.path.join(model.folder, "config.json")):
-            log(f"# skipping {name}: {model.folder} does not exist (python -m admm_dist.pretrained {name})")
+            log(f"# skipping {name}: {model.folder} does not exist (python -m admm_dist.model.pretrained {name})")
             continue
         for backend in backends:
             rows.append(_one(model, backend, sz, device, log))
@@ -220,7 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"# load average 1 min before/after: {r['loadavg_1min_before']}/{r['loadavg_1min_after']}; other "
           f"processes used about {'?' if other is None else f'{other:.2f}'} cores; wall {r['wall_s']:.1f} s")
     if a.json:
-        from ..io import atomic_write_json
+        from admm_dist.core.io import atomic_write_json
 
         atomic_write_json(a.json, r)
         print(f"# wrote {a.json}")

@@ -6,16 +6,16 @@ Run::
                                    [--reps 9] [--wire-trials 5] [--methods ...] [--quick]
 
 For every world size N (one launch of N gloo CPU ranks through
-:func:`admm_dist.launcher.launch_cpu`, one torch thread per rank, gloo bound to
+:func:`admm_dist.engine.launcher.launch_cpu`, one torch thread per rank, gloo bound to
 loopback) and every fp32 vector of ``mib`` MiB (P = mib * 2^18 elements), the
 methods below run side by side in the same processes on the same vectors:
 
-- ``ring``: :class:`~admm_dist.comm.RingCommunicator` ``consensus_`` (our
+- ``ring``: :class:`~admm_dist.engine.comm.RingCommunicator` ``consensus_`` (our
   reduce-scatter + all-gather on ``isend``/``irecv``; the exact mean);
-- ``all_reduce``: :class:`~admm_dist.comm.CoordinatorCommunicator`
+- ``all_reduce``: :class:`~admm_dist.engine.comm.CoordinatorCommunicator`
   ``consensus_``: torch's built-in ``dist.all_reduce`` (SUM), then one
   in-place division by N (the same exact mean the ring returns);
-- ``gossip``: :class:`~admm_dist.comm.GossipCommunicator` on the ``ring``
+- ``gossip``: :class:`~admm_dist.engine.comm.GossipCommunicator` on the ``ring``
   graph with ``gossip_steps=1`` (each rank exchanges its whole vector with
   each neighbour once and mixes);
 - ``all_reduce_sum``: a reference, not a consensus: the same built-in
@@ -37,12 +37,12 @@ time, so slow drift of the machine cancels); the table prints it as ``paired``.
 Bytes, from separate untimed operations after the timed ones, per rank:
 
 - ``meter_bytes_per_rank``: mean over ranks of the bytes the communicator's
-  :class:`~admm_dist.comm.ByteMeter` recorded as sent, phase ``consensus``,
+  :class:`~admm_dist.engine.comm.ByteMeter` recorded as sent, phase ``consensus``,
   in one operation (the built-in all_reduce is recorded with the ring
   convention);
 - ``wire_bytes_per_rank``: bytes that crossed the loopback interface, from the
   kernel's machine-wide ``lo`` tx counter
-  (:func:`~admm_dist.comm.wire.interface_tx_bytes`), read on rank 0 around one
+  (:func:`~admm_dist.engine.comm.wire.interface_tx_bytes`), read on rank 0 around one
   operation: barrier, read, barrier, operation, barrier, read (every read comes
   20 ms after its barrier so that trailing messages have landed; the second
   barrier keeps a fast rank from sending before the first read). The same
@@ -65,7 +65,7 @@ Bytes, from separate untimed operations after the timed ones, per rank:
   ``wire_trials_*`` and ``tcp_trials_retrans_bytes`` hold every bracket.
 - ``analytic_bytes_per_rank``: mean over ranks of the exact payload: the ring
   all-reduce formula with exact chunk sizes
-  (:func:`~admm_dist.comm.ring_bytes_per_rank`, 2(N-1)/N * 4P up to chunk
+  (:func:`~admm_dist.engine.comm.ring_bytes_per_rank`, 2(N-1)/N * 4P up to chunk
   rounding) for ``ring``, ``all_reduce`` and ``all_reduce_sum``, and
   ``tau * degree_i * 4P`` for ``gossip``.
 
@@ -107,7 +107,7 @@ def numel_for(mib: float) -> int:
 
 
 def _make_comms(timeout: datetime.timedelta, methods: Sequence[str]):
-    from ..comm import ByteMeter, CoordinatorCommunicator, GossipCommunicator, RingCommunicator
+    from admm_dist.engine.comm import ByteMeter, CoordinatorCommunicator, GossipCommunicator, RingCommunicator
 
     class SumOnly(CoordinatorCommunicator):
         """Reference only: gloo's all_reduce (SUM) without the division (not a consensus)."""
@@ -176,7 +176,7 @@ def _wire_bracket(comm, rank: int, op) -> Tuple[Optional[int], Optional[Tuple[in
     waits READ_SETTLE_S before each read so that trailing messages (barrier
     replies, late retransmissions) have landed.
     """
-    from ..comm.wire import interface_tx_bytes
+    from admm_dist.engine.comm.wire import interface_tx_bytes
 
     comm.barrier()
     time.sleep(READ_SETTLE_S)
@@ -196,7 +196,7 @@ def _wire_bracket(comm, rank: int, op) -> Tuple[Optional[int], Optional[Tuple[in
 
 def _rank_main(ctx, sizes: Sequence[float], methods: Sequence[str], warmup: int, reps: int,
                wire_trials: int) -> Dict[str, object]:
-    from ..comm import CONSENSUS
+    from admm_dist.engine.comm import CONSENSUS
 
     rank = ctx.rank
     torch.set_num_threads(1)
@@ -330,7 +330,7 @@ def run(sizes: Sequence[float], nprocs: Sequence[int], reps: int, *, warmup: int
         wire_trials: int = 5, methods: Sequence[str] = METHODS,
         log=print) -> Dict[str, object]:
     """Run the benchmark; returns {"records": [...], "load": {...}}."""
-    from ..launcher import launch_cpu
+    from admm_dist.engine.launcher import launch_cpu
 
     if reps < 1:
         raise ValueError(f"reps={reps}: need at least one timed repetition")
@@ -461,7 +461,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"# N={r['n']} {r['mib']:g} MiB {r['method']}: times "
               f"{' '.join(format(t, '.4f') for t in r['times_s'])}")
     if args.json:
-        from ..io import atomic_write_json
+        from admm_dist.core.io import atomic_write_json
 
         atomic_write_json(args.json, records)
         print(f"# wrote {len(records)} records to {args.json}")

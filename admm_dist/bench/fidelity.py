@@ -11,7 +11,7 @@ What one run does, for every seed of ``--seeds``:
 1. **One collection.** The first training arm collects the on-policy fit set under the
    config (with that ``seed``) and writes it to the seed's ``fitset_cache``; every other arm
    of the seed reads the same file, so the arms differ only in how they train.
-2. **The arms** (:data:`ARMS`), each a real :class:`admm_dist.trainer.Trainer` run with the
+2. **The arms** (:data:`ARMS`), each a real :class:`admm_dist.training.trainer.Trainer` run with the
    single-process backend (all nodes in one process on one backbone: the numbers of one
    gloo rank per node, which ``tests/test_train.py`` checks for every arm):
    ADMM-ring (the config as it is), ADMM-gossip (``consensus=gossip``, deployed per seat),
@@ -126,8 +126,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def base_config(args, seed: int, arm: Optional[Arm] = None, *, quiet: bool = True):
-    from .. import config as config_mod
-    from ..settings import TrainConfig
+    from admm_dist.core import config_file as config_mod
+    from admm_dist.training.config import TrainConfig
 
     seed_dir = os.path.join(args.workdir, f"seed{seed}")
     name = (arm.name if arm else "probe").lower()
@@ -174,7 +174,7 @@ def eval_argv(args, cfg, *, sampled: bool) -> List[str]:
 
 def score_rows(args, cfg, deploy_argv: List[str]) -> Dict[str, List[float]]:
     """Per-row accuracy, greedy and (with --samples) sampled: the share of right chains."""
-    from .. import evaluate
+    from admm_dist.mas import evaluation as evaluate
 
     out = {}
     for mode in ("greedy", "sampled") if args.samples else ("greedy",):
@@ -189,8 +189,8 @@ def score_rows(args, cfg, deploy_argv: List[str]) -> Dict[str, List[float]]:
 
 def train_arm(cfg) -> Dict[str, object]:
     """One Trainer run in this process; a refusal is a result, not a crash of the benchmark."""
-    from ..dist import distributed
-    from ..trainer import TrainError, Trainer
+    from admm_dist.engine.dist import distributed
+    from admm_dist.training.trainer import TrainError, Trainer
 
     t0 = time.time()
     try:
@@ -378,7 +378,7 @@ def draw(summary: Dict[str, object], path: str, args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..io import atomic_write_bytes
+    from admm_dist.core.io import atomic_write_bytes
 
     modes = list(summary["modes"])
     fig, axes = plt.subplots(1, len(modes) + 2, figsize=(5 * (len(modes) + 2), 4.2))
@@ -442,8 +442,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parse_args(argv)
         if args.job:
-            from ..io import atomic_write_json
-            from ..train import quiet_libraries
+            from admm_dist.core.io import atomic_write_json
+            from admm_dist.core.libraries import quiet_libraries
 
             quiet_libraries()
             res = run_job(args, args.job)
@@ -467,7 +467,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(format_table(summary, args))
         print(f"\n{len(args.seed_list)} seed(s), {len(args.arm_list)} arm(s) in {summary['seconds']:.0f}s")
         if args.json:
-            from ..io import atomic_write_json
+            from admm_dist.core.io import atomic_write_json
 
             atomic_write_json(args.json, summary)
             print(f"wrote {args.json}")

@@ -7,7 +7,7 @@ Run::
 
 Set-up, the same for every row. A randomly initialised ``Qwen3ForCausalLM`` (hidden 256,
 4 layers, 4 heads, intermediate 1024, vocab 4096, tied embeddings, fp32, seed 0; built by
-:func:`admm_dist.tiny.tiny_qwen3`, nothing downloaded) and a WordLevel tokenizer over 4096
+:func:`admm_dist.testing.tiny.tiny_qwen3`, nothing downloaded) and a WordLevel tokenizer over 4096
 tokens (3 specials and synthetic words ``w0 w1 ...``, whitespace pre-tokenizer) in a
 ``PreTrainedTokenizerFast``. The data are ``batch * (warmup + steps)`` random DPO pairs: a
 64-token prompt and a chosen and a rejected completion of 64 tokens each (63 words and the
@@ -19,7 +19,7 @@ with lora_A frozen, DPO beta 0.1, learning rate 1e-3, gradient-norm clip 0.01, c
 
 Rows (seconds per optimizer step):
 
-- ``ours_s``: this project's x-step. A :class:`admm_dist.trainer.Trainer` (single-process
+- ``ours_s``: this project's x-step. A :class:`admm_dist.training.trainer.Trainer` (single-process
   backend, ``local_steps = warmup + steps``) whose only replaced methods are ``load_data``
   (returns the pairs above) and ``load_backbone`` (returns the tiny model and tokenizer);
   ``setup()`` and ``build_nodes()`` run unchanged (BOnlyLoRA, encode, the reference
@@ -56,10 +56,10 @@ imported (it is not a dependency of this package: ``pip install trl``), the TRL 
 skipped with a one-line message and their fields are null.
 
 ``overhead_share``: the share of an ADMM round's wall time spent outside the x-steps, with 3
-gloo CPU ranks (:func:`admm_dist.launcher.launch_cpu`, one torch thread each, consensus
+gloo CPU ranks (:func:`admm_dist.engine.launcher.launch_cpu`, one torch thread each, consensus
 ``ring``), each rank a real Trainer built as above (its own pairs, ``local_steps`` 16) and
 running ``trainer.engine.step(trainer.xstep)``. Per round, from the engine's
-:class:`~admm_dist.admm.RoundRecord` (gathered from every rank): wall = max over ranks of
+:class:`~admm_dist.engine.admm.RoundRecord` (gathered from every rank): wall = max over ranks of
 ``sec_x + sec_z + sec_other``, x = max over ranks of ``sec_x``, share = (wall - x) / wall;
 the first round is a warm-up, ``overhead_share`` is the median over the other rounds.
 ``overhead_share_step_wall`` is the same with wall = max over ranks of the time of the whole
@@ -148,7 +148,7 @@ def build_tokenizer(vocab: int):
 
 
 def build_model(sz: Sizes, tok):
-    from ..tiny import tiny_qwen3
+    from admm_dist.testing.tiny import tiny_qwen3
 
     model = tiny_qwen3(sz.vocab, hidden=sz.hidden, layers=sz.layers, heads=sz.heads, seed=0)
     model.config.pad_token_id = tok.pad_token_id
@@ -175,14 +175,14 @@ def make_pairs(sz: Sizes, n: int, seed: int) -> List[Dict[str, str]]:
 
 
 def to_examples(pairs: Sequence[Dict[str, str]]):
-    from ..fitset import Example
+    from admm_dist.data.fitset import Example
 
     return [Example(seat=0, role=ROLE, anchor=f"a{i}", prompt=p["prompt"], target=p["chosen"],
                     rejected=p["rejected"]) for i, p in enumerate(pairs)]
 
 
 def _train_config(sz: Sizes, n_nodes: int, local_steps: int):
-    from ..settings import TrainConfig
+    from admm_dist.training.config import TrainConfig
 
     return TrainConfig(
         task="bench", model_name="tiny-random-qwen3", device="cpu", seed=0, n_agents=n_nodes,
@@ -195,7 +195,7 @@ def _train_config(sz: Sizes, n_nodes: int, local_steps: int):
 
 
 def _bench_trainer_class():
-    from ..trainer import Trainer
+    from admm_dist.training.trainer import Trainer
 
     class BenchTrainer(Trainer):
         """The real Trainer; only the fit-set file and the backbone folder are replaced."""
@@ -224,7 +224,7 @@ def _bench_trainer_class():
 
 
 def _single_ctx():
-    from ..dist import DistContext, DistEnv
+    from admm_dist.engine.dist import DistContext, DistEnv
 
     return DistContext(env=DistEnv(), device=torch.device("cpu"), backend=None,
                        timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -369,7 +369,7 @@ def _overhead_rank(ctx, sz: Sizes, seed: int) -> Dict[str, Any]:
 
 
 def bench_overhead(sz: Sizes, seed: int) -> Dict[str, Any]:
-    from ..launcher import launch_cpu
+    from admm_dist.engine.launcher import launch_cpu
 
     if sz.rounds < 2:
         raise ValueError("the overhead part needs at least 2 rounds (one warm-up)")
@@ -402,7 +402,7 @@ def bench_overhead(sz: Sizes, seed: int) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------- run
 
 def run(sz: Sizes, *, with_trl: bool = True, seed: int = 0, log=print) -> Dict[str, Any]:
-    from .comm import _CpuClock, _loadavg, _other_cores
+    from admm_dist.bench.comm import _CpuClock, _loadavg, _other_cores
 
     torch.set_num_threads(1)
     load0 = _loadavg()
@@ -552,7 +552,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"other processes used about {_f(r['other_processes_cores'], '.2f')} cores; "
           f"wall {r['wall_s']:.1f} s")
     if args.json:
-        from ..io import atomic_write_json
+        from admm_dist.core.io import atomic_write_json
 
         atomic_write_json(args.json, r)
         print(f"# wrote {args.json}")

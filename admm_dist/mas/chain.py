@@ -27,9 +27,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..scoring import visible
-from . import prompts as P
-from .generate import generate
+from admm_dist.tasks.scoring import visible
+from admm_dist.mas import prompts as P
+from admm_dist.mas.generate import generate
 
 SeedFn = Callable[[int, int], Optional[int]]   # (row, seat) -> seed, None = greedy
 

@@ -3,7 +3,7 @@
 Design
 ------
 One :class:`VLLMBackend` owns one ``vllm.LLM`` engine that holds the *frozen* backbone
-(``model_path``). The trainable part of a seat, its flat B vector (:mod:`admm_dist.adapter`),
+(``model_path``). The trainable part of a seat, its flat B vector (:mod:`admm_dist.model.adapter`),
 reaches the engine as a LoRA adapter on disk: for a ``state`` the backend writes a standard
 PEFT folder with ``adapter.export_peft(workdir/lora-<sha>, state)`` (``sha`` hashes the
 vector's fp32 bytes) and passes ``LoRARequest(name, int_id, path)``. Every distinct state gets
@@ -84,7 +84,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
-from .generate import Generation, _stop_ids
+from admm_dist.mas.generate import Generation, _stop_ids
 
 INSTALL_HINT = ("generation_backend=vllm needs vLLM: with a GPU `bash launch/install.sh vllm`; on CPU "
                 "`bash launch/vllm_env.sh`, then run with .venv-vllm/bin/python (docs/vllm.md)")
@@ -233,7 +233,7 @@ class VLLMBackend:
     """Rollouts on a vLLM engine; seat states are B vectors turned into LoRA adapters.
 
     ``tokenizer`` is the HF tokenizer the HF backend uses (prompts are tokenized and outputs
-    decoded with it). ``adapter`` (a :class:`~admm_dist.adapter.BOnlyLoRA`) is needed for any
+    decoded with it). ``adapter`` (a :class:`~admm_dist.model.adapter.BOnlyLoRA`) is needed for any
     ``state``; it only exports PEFT folders, its own vector is left unchanged. ``workdir``
     holds the exported adapters: give every rank its own. ``kv_cache_gib`` sizes the KV cache
     on CPU; on GPU vLLM sizes it within ``gpu_memory_utilization`` of the device.

@@ -3,61 +3,12 @@
 Real tasks (gsm8k, aime, gpqa, ...) register here with loaders that read a public data set
 or a local JSON/JSONL file; the synthetic ``chain_arith`` task serves the tiny stand-in
 backbone. :func:`get` resolves a name with a clear error; :func:`load` returns the items.
+
+The ``tasks`` layer owns the task registry (:mod:`~admm_dist.tasks.registry`), the loaders
+(:mod:`~admm_dist.tasks.common` and one module per family), scoring
+(:mod:`~admm_dist.tasks.scoring`) and the code sandbox (:mod:`~admm_dist.tasks.sandbox`). It
+imports only :mod:`admm_dist.core`.
 """
-from __future__ import annotations
-
-import dataclasses
-from typing import Callable, Dict, List, Optional, Tuple
-
-ANSWER_TYPES = ("number", "choice", "code", "safety")
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskSpec:
-    name: str
-    answer_type: str
-    loader: Callable[..., List[dict]]
-    description: str = ""
-    # (text, item) -> (prediction, correct?); None: score by answer type (scoring.score_item)
-    scorer: Optional[Callable[[str, dict], Tuple[Optional[str], bool]]] = None
-    words: str = "default"          # the prompt wording the chain uses (mas.prompts.WORDINGS)
-
-    def __post_init__(self) -> None:
-        if self.answer_type not in ANSWER_TYPES:
-            raise ValueError(f"task {self.name}: answer_type {self.answer_type!r} is not one of "
-                             f"{', '.join(ANSWER_TYPES)}")
-
-
-REGISTRY: Dict[str, TaskSpec] = {}
-
-
-def register(spec: TaskSpec) -> TaskSpec:
-    if spec.name in REGISTRY:
-        raise ValueError(f"task {spec.name!r} is registered twice")
-    REGISTRY[spec.name] = spec
-    return spec
-
-
-def get(name: str) -> TaskSpec:
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown task {name!r}: choose one of {', '.join(sorted(REGISTRY))} with --task "
-                         "(or train on a fit set you built with --fitset_cache FILE)") from None
-
-
-def load(name: str, **kw) -> List[dict]:
-    return get(name).loader(**kw)
-
-
-def score(name: str, text: str, item: dict) -> Tuple[Optional[str], bool]:
-    """(prediction, correct?) of a final answer ``text`` to ``item`` of task ``name``."""
-    spec = get(name)
-    if spec.scorer is not None:
-        return spec.scorer(text, item)
-    from ..scoring import score_item
-    return score_item(text, item)
-
-
-from . import chain_arith  # noqa: E402,F401  (registers itself)
-from . import choice, coding, reasoning, safety  # noqa: E402,F401  (real tasks, register themselves)
+from admm_dist.tasks.registry import (  # noqa: F401  (the package's face)
+    ANSWER_TYPES, REGISTRY, TaskSpec, get, load, register, score)
+from admm_dist.tasks import chain_arith, choice, coding, reasoning, safety  # noqa: E402,F401  (they register themselves)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 from typing import List
 
-from . import TaskSpec, register
-from .common import Hub, build, col, make_item, structured
+from admm_dist.tasks.registry import TaskSpec, register
+from admm_dist.tasks.common import Hub, build, col, make_item, structured
 
 MBPPPLUS = Hub("evalplus/mbppplus", splits=(("eval", "test"), ("train", "test")))
 HUMANEVALPLUS = Hub("evalplus/humanevalplus", splits=(("eval", "test"), ("train", "test")))

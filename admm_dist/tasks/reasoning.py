@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from typing import List
 
-from ..scoring import extract_number
-from . import TaskSpec, register
-from .common import Hub, build, col, make_item
+from admm_dist.tasks.scoring import extract_number
+from admm_dist.tasks.registry import TaskSpec, register
+from admm_dist.tasks.common import Hub, build, col, make_item
 
 GSM8K = Hub("openai/gsm8k", ("main",))
 AIME2024 = Hub("HuggingFaceH4/aime_2024", splits=(("eval", "train"), ("train", "train")))

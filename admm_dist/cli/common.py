@@ -1,0 +1,40 @@
+"""What every command shares: a parser whose errors are one line, a ``main`` wrapper that turns a
+:class:`~admm_dist.core.errors.UserError` (or a missing file, or a missing optional package)
+into one line on stderr and exit code 2..
+
+Real bugs are not caught here: they stay tracebacks.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Optional, Sequence
+
+from admm_dist.core.errors import EXIT_USER_ERROR, UserError, one_line
+from admm_dist.core.libraries import quiet_libraries
+
+# What bad input raises: UserError (every check of ours), OSError (a missing or unwritable
+# file), ImportError (an optional package that is not installed).
+BAD_INPUT = (UserError, OSError, ImportError)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (exit code 2)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def run_cli(prog: str, body: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser,
+            argv: Optional[Sequence[str]]) -> int:
+    """Parse ``argv`` and run ``body``; bad input is one line on stderr and exit code 2."""
+    quiet_libraries()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:        # --help, or a one-line usage error: a code, not an exception
+        return exc.code if isinstance(exc.code, int) else EXIT_USER_ERROR
+    try:
+        return body(args)
+    except BAD_INPUT as exc:
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_USER_ERROR

@@ -1,0 +1,105 @@
+"""Entry point: ``torchrun --nproc_per_node N -m admm_dist.train --config configs/X.yaml [overrides]``.
+
+Without torchrun (or with ``--backend local``) every node runs in this one
+process on one backbone. Overrides are the seed's flags (``--rho 0.1``,
+``--local_only``) or ``key=value``; see :mod:`admm_dist.training.config` for all keys.
+The process group is always torn down, on success and on failure; a bad input
+ends the run with one line on stderr and a non-zero exit code.
+"""
+from __future__ import annotations
+
+import sys
+from typing import List, Optional, Sequence
+
+from torch.distributed import DistError
+
+from admm_dist.core import config_file as config_mod
+from admm_dist.engine.admm import NonFiniteError
+from admm_dist.model.adapter import AdapterError
+from admm_dist.training.checkpoint import CheckpointError
+from admm_dist.engine.comm import CommError
+from admm_dist.engine.dist import DistConfigError, distributed, read_env
+from admm_dist.data.fitset import FitSetError
+from admm_dist.mas.vllm_backend import VLLMBackendError
+from admm_dist.engine.preemption import PreemptionFlag, record_pid, write_status
+from admm_dist.training.config import TrainConfig
+from admm_dist.core.libraries import quiet_libraries
+from admm_dist.engine.preemption import Preempted
+from admm_dist.training.trainer import TrainError, Trainer
+
+USER_ERRORS = (config_mod.ConfigError, ValueError, TrainError, FitSetError, AdapterError,
+               CheckpointError, DistConfigError, NonFiniteError, CommError, VLLMBackendError)
+
+HELP = __doc__ + "\nKeys and defaults:\n" + "\n".join(
+    f"  --{k} {v!r}" for k, v in TrainConfig().as_dict().items())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flag = PreemptionFlag()
+    restore = flag.install()   # from the first line to the last write: USR2 never kills a worker
+    try:
+        return _run(argv, flag)
+    finally:
+        restore()
+
+
+def _run(argv: List[str], flag: PreemptionFlag) -> int:
+    quiet_libraries()
+    if any(a in ("-h", "--help") for a in argv):
+        print(HELP)
+        return 0
+    try:
+        cfg = config_mod.load(TrainConfig, argv)
+    except (config_mod.ConfigError, ValueError) as e:
+        print(f"admm_dist.train: error: {e}", file=sys.stderr)
+        return 2
+    rank = 0
+    unrecord = lambda: None  # noqa: E731
+    try:
+        rank = read_env().rank
+        unrecord = record_pid(rank)
+        with distributed(cfg.device, timeout_s=cfg.timeout_s) as ctx:
+            trainer = Trainer(cfg, ctx, preempt=flag)
+            report = trainer.train()
+    except Preempted as e:
+        if rank == 0:
+            print(f"admm_dist.train: {e}", flush=True)
+            _quiet_status("preempted", e.round, cfg.out, str(e))
+        return 0
+    except USER_ERRORS + (OSError, DistError) as e:
+        msg = _one_line(e)
+        print(f"admm_dist.train: error on rank {rank}: {msg}", file=sys.stderr)
+        if rank == 0:
+            _quiet_status("failed", None, cfg.out, msg)
+        return 1
+    else:
+        if rank == 0:
+            if not cfg.quiet and not cfg.dry_run:
+                print(f"done: {report.get('n_nodes')} node(s), delta_w_rel={report.get('delta_w_rel')}")
+            _quiet_status("finished", cfg.k_outer, cfg.out, "done")
+        return 0
+    finally:
+        unrecord()
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line; an OSError names the path and the reason."""
+    if isinstance(e, OSError) and not isinstance(e, USER_ERRORS):
+        where = f" {e.filename}" if e.filename else ""
+        return f"cannot use{where}: {e.strerror or e} (check the path, its permissions and free space)"
+    if isinstance(e, DistError):
+        return (f"the process group failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                "a peer rank stopped or is unreachable; check every rank's log and the rendezvous address")
+    return " ".join(str(e).split())
+
+
+def _quiet_status(state: str, round_, out: str, message: str) -> None:
+    try:
+        write_status(state, round_=round_, out=out, message=message)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

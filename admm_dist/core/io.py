@@ -1,0 +1,100 @@
+"""Files written atomically (a reader sees the old file or the new one, never half of one), and
+JSON readers whose errors name the file and the line.
+
+Data files are JSON/JSONL/safetensors only; nothing here unpickles.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, List
+
+from admm_dist.core.errors import UserError
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where /proc allows (thread-safe)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename over ``path``.
+
+    The file gets the mode a plain ``open(path, "w")`` would give it (0666 less the umask),
+    not the 0600 of the temporary file, so group members and serving accounts can read it.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        os.fchmod(fd, 0o666 & ~current_umask())
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str, obj: Any, *, indent: int = 2) -> None:
+    text = json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=False)
+    atomic_write_bytes(path, (text + "\n").encode("utf-8"))
+
+
+def replace_dir(tmp: str, dst: str) -> None:
+    """Put the finished folder ``tmp`` (a sibling of ``dst``) at ``dst``: one rename when
+    ``dst`` is new; else the old folder moves aside, ``tmp`` takes its place, the old is removed."""
+    import shutil
+
+    if os.path.isdir(dst):
+        old = f"{tmp}.old"
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dst)
+
+
+def read_json(path: str, what: str) -> dict:
+    if not os.path.isfile(path):
+        raise UserError(f"{what} {path} does not exist")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            obj = json.load(fh)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{what} {path} is not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{what} {path} is not a JSON object")
+    return obj
+
+
+def read_jsonl(path: str, what: str) -> List[dict]:
+    """Objects of a JSON Lines file; a bad line is a UserError naming its number."""
+    if not os.path.isfile(path):
+        raise UserError(f"{what} {path} does not exist")
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{what} {path}: line {i} is not valid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                raise UserError(f"{what} {path}: line {i} is not a JSON object")
+            out.append(obj)
+    return out

@@ -1,0 +1,23 @@
+"""Text conventions shared by every layer: the reasoning block, choice letters, integers.
+
+One definition each. The *visible* part of a message is the text after its last ``</think>``
+(the rule of Qwen3's chat template, which drops everything up to the last closing tag when a
+message enters the history); a message without one is all visible.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+LETTERS = "ABCDEFGHIJ"      # the option letters of a multiple-choice item, in order
+
+
+def visible(text: str) -> str:
+    """The text after the last ``</think>`` (what the agent says, not what it thought)."""
+    return text.rsplit(THINK_CLOSE, 1)[-1]
+
+
+def is_int(v: Any) -> bool:
+    """An ``int`` that is not a ``bool`` (JSON and YAML integers, not ``true``)."""
+    return isinstance(v, int) and not isinstance(v, bool)

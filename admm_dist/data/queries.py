@@ -1,0 +1,65 @@
+"""Which rows of a task train and which evaluate (DESIGN.md section 5).
+
+The task pool is shuffled once by the run's seed. Training queries come from its end (or
+from ``anchor_offset``), evaluation from its front; evaluation refuses rows whose anchor
+key a training report lists, so a leak is an error and not a silently inflated score.
+Re-collection (``recollect_every``) takes the next fresh slice, moving towards the front.
+"""
+from __future__ import annotations
+
+import random
+from typing import List, Optional, Sequence
+
+from admm_dist import tasks
+
+
+def pool(task: str, *, seed: int, split: Optional[str] = None, path: Optional[str] = None,
+         n: Optional[int] = None) -> List[dict]:
+    """The task's rows in the seed's order. ``split`` None is the task's evaluation split."""
+    kw = {"path": path} if path else {}
+    if n is not None:
+        kw["n"] = n
+    items = list(tasks.load(task, split=split or "eval", **kw))
+    if not items:
+        raise ValueError(f"task {task} has no rows in split {split or 'eval'}"
+                         + (f" of {path}" if path else "") + ": check --task_path / --anchor_split")
+    random.Random(seed).shuffle(items)
+    return items
+
+
+def training_slice(items: Sequence[dict], count: int, *, offset: Optional[int] = None,
+                   collection: int = 0) -> List[dict]:
+    """``count`` rows for the ``collection``-th collection (0 = the first): from the end of
+    the pool, or from row ``offset`` on; each re-collection takes the next fresh slice."""
+    if count < 1:
+        raise ValueError(f"anchors={count}: collect on at least one query")
+    n = len(items)
+    if offset is not None:
+        lo = offset + collection * count
+        if offset < 0 or lo + count > n:
+            raise ValueError(f"anchor_offset {offset} + {collection + 1} x {count} queries exceeds the "
+                             f"pool of {n} rows: lower --anchors, --anchor_offset or --recollect_every")
+        return list(items[lo:lo + count])
+    hi = n - collection * count
+    if hi - count < 1:   # keep at least one row at the front for evaluation
+        raise ValueError(f"{collection + 1} x {count} training queries do not fit in the pool of {n} "
+                         f"rows: lower --anchors (or --anchor_pool) or --recollect_every")
+    return list(items[hi - count:hi])
+
+
+def evaluation_rows(items: Sequence[dict], n: Optional[int] = None, *, offset: int = 0) -> List[dict]:
+    """Rows from the front of the pool."""
+    end = len(items) if n is None else offset + n
+    if offset < 0 or end > len(items):
+        raise ValueError(f"rows [{offset}, {end}) exceed the pool of {len(items)}: lower --n or --offset")
+    return list(items[offset:end])
+
+
+def refuse_leaks(rows: Sequence[dict], train_keys: Sequence[str], *, report: str = "the training report") -> None:
+    """Raise if any row was a training query (by anchor key)."""
+    used = set(train_keys)
+    leaked = [r["anchor"] for r in rows if r["anchor"] in used]
+    if leaked:
+        raise ValueError(f"{len(leaked)} of {len(rows)} evaluation rows were training queries in {report} "
+                         f"(e.g. anchor {leaked[0]}): evaluate other rows (--offset, --n) or train with a "
+                         f"different --anchor_offset")

@@ -1,0 +1,242 @@
+"""The consensus-ADMM state machine on flat vectors (DESIGN.md section 3).
+
+Each node i holds x_i, z_i and the scaled dual u_i, all flat vectors of one
+layout. A round is:
+
+1. x-step (supplied by the caller): approximately minimise
+   f_i(x) + (rho/2) ||x - (z_i - u_i)||^2 starting from x_i;
+2. z-step: v_i = x_i + u_i, then the communicator's consensus (exact mean, or
+   gossip mixing which leaves each node its own z_i);
+3. u-step: u_i += x_i - z_i;
+4. telemetry: f_i, primal residual ||x_i - z_i|| and its normalised form,
+   dual residual rho ||z_i^k - z_i^{k-1}||, ||x_1||, bytes, seconds per phase.
+
+Ablations: ``local_only`` (no coupling: rho = 0, no z/u exchange, z_i := x_i),
+``no_dual`` (u_i stays 0). Pooled training is simply N = 1.
+
+Adaptive rho (``rho_adapt``, residual balancing, Boyd et al. 2011, section 3.4.1): after
+round k, with the global primal residual r = sqrt(sum_i ||x_i - z_i||^2) and dual residual
+s = sqrt(sum_i (rho ||z_i^k - z_i^{k-1}||)^2), rho is multiplied by ``rho_tau`` when
+r > ``rho_mu`` * s and divided by it when s > ``rho_mu`` * r. The duals are scaled
+(u = y / rho), so every change of rho rescales them, u <- u * rho_old / rho_new, which keeps
+y and hence the iterates' meaning. Every rank decides from the same gathered telemetry, so
+all ranks change rho together; without telemetry, or with a single node (pooled: there is no
+consensus to balance), rho stays fixed.
+
+The engine talks only to a :class:`~admm_dist.engine.comm.Communicator`; it never
+touches ranks or process groups.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+from admm_dist.engine.comm import CONSENSUS, Communicator
+
+# x-step: (node, x (updated in place), anchor z_i - u_i or None, rho) -> f_i
+XStep = Callable[[int, torch.Tensor, Optional[torch.Tensor], float], float]
+
+ROW_FIELDS = ("f", "primal", "z_norm", "dual", "x_norm", "bytes_sent", "bytes_recv",
+              "sec_x", "sec_z", "sec_other")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ADMMConfig:
+    rho: float = 0.03
+    local_only: bool = False
+    no_dual: bool = False
+    rho_adapt: bool = False
+    rho_mu: float = 10.0
+    rho_tau: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.rho_mu) and self.rho_mu > 1):
+            raise ValueError(f"rho_mu={self.rho_mu}: residual balancing needs a ratio > 1 (10 is usual)")
+        if not (math.isfinite(self.rho_tau) and self.rho_tau > 1):
+            raise ValueError(f"rho_tau={self.rho_tau}: rho changes by a factor > 1 (2 is usual)")
+        if self.rho_adapt and (self.local_only or self.no_dual):
+            raise ValueError("rho_adapt balances primal and dual residuals of full ADMM: drop it for "
+                             "local_only / no_dual")
+        if not math.isfinite(self.rho) or self.rho < 0:
+            raise ValueError(f"rho={self.rho}: the ADMM penalty must be a finite number >= 0")
+        if self.rho == 0 and not self.local_only:
+            raise ValueError("rho=0 decouples the nodes: use local_only=True for that ablation, or rho > 0")
+        if self.local_only and self.no_dual:
+            raise ValueError("local_only and no_dual are separate ablations: choose one")
+
+
+class NonFiniteError(FloatingPointError):
+    """A node's objective or state became NaN/inf; every rank raises it together."""
+
+
+@dataclasses.dataclass
+class RoundRecord:
+    """Per-round telemetry for every node (lists are indexed by node)."""
+
+    round: int
+    f: List[float]
+    primal: List[float]
+    primal_normalized: List[float]
+    dual: List[float]
+    x1_norm: float
+    bytes_sent: List[int]
+    bytes_recv: List[int]
+    sec_x: List[float]
+    sec_z: List[float]
+    sec_other: List[float]
+    rho: float = 0.0               # the penalty this round's x-step used
+
+    def as_dict(self) -> Dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+class ADMMEngine:
+    """Holds (x_i, z_i, u_i) for the nodes this process owns and runs rounds."""
+
+    def __init__(self, comm: Communicator, config: ADMMConfig,
+                 x0: Sequence[torch.Tensor]) -> None:
+        if len(x0) != len(comm.nodes):
+            raise ValueError(f"x0 has {len(x0)} vectors but this process owns {len(comm.nodes)} node(s)")
+        self.comm = comm
+        self.config = config
+        self.nodes = comm.nodes
+        self.x = [v.detach().clone().contiguous() for v in x0]
+        for v in self.x:
+            if v.dim() != 1 or v.dtype != torch.float32:
+                raise ValueError(f"ADMM vectors are flat fp32; got shape {tuple(v.shape)} dtype {v.dtype}")
+        self.z = [v.clone() for v in self.x]
+        self.u = [torch.zeros_like(v) for v in self.x]
+        self.round = 0
+        self._rho = float(config.rho)
+        self.history: List[RoundRecord] = []
+        self._prev = [torch.empty_like(v) for v in self.x]
+
+    @property
+    def rho(self) -> float:
+        """The penalty of the next x-step (changes between rounds under ``rho_adapt``)."""
+        return 0.0 if self.config.local_only else self._rho
+
+    def _adapt_rho(self, rec: "RoundRecord") -> None:
+        r = math.sqrt(sum(p * p for p in rec.primal))
+        s = math.sqrt(sum(d * d for d in rec.dual))
+        cfg = self.config
+        new = self._rho * cfg.rho_tau if r > cfg.rho_mu * s else \
+            self._rho / cfg.rho_tau if s > cfg.rho_mu * r else self._rho
+        if new != self._rho:
+            for u in self.u:
+                u.mul_(self._rho / new)      # scaled duals: y = rho u is what must not change
+            self._rho = new
+
+    @property
+    def numel(self) -> int:
+        return self.x[0].numel()
+
+    def anchor(self, k: int) -> Optional[torch.Tensor]:
+        """The proximal centre z_i - u_i of local node index k (None under local_only)."""
+        if self.config.local_only:
+            return None
+        return self.z[k] - self.u[k]
+
+    def step(self, xstep: XStep, *, telemetry: bool = True) -> Optional[RoundRecord]:
+        """Run one round; returns the gathered record (every node) when ``telemetry``."""
+        self.round += 1
+        meter = self.comm.meter
+        meter.start_round(self.round)
+        cfg = self.config
+
+        t0 = time.perf_counter()
+        f_local = []
+        for k, node in enumerate(self.nodes):
+            f_local.append(float(xstep(node, self.x[k], self.anchor(k), self.rho)))
+        t1 = time.perf_counter()
+
+        for k in range(len(self.nodes)):
+            self._prev[k].copy_(self.z[k])
+        if cfg.local_only:
+            for k in range(len(self.nodes)):
+                self.z[k].copy_(self.x[k])
+        else:
+            for k in range(len(self.nodes)):
+                torch.add(self.x[k], self.u[k], out=self.z[k])
+            self.comm.consensus_(self.z)
+        t2 = time.perf_counter()
+
+        if not (cfg.local_only or cfg.no_dual):
+            for k in range(len(self.nodes)):
+                self.u[k].add_(self.x[k]).sub_(self.z[k])
+        rows = []
+        for k, node in enumerate(self.nodes):
+            c = meter.total(node=node, round=self.round, phase=CONSENSUS)
+            rows.append([
+                f_local[k],
+                torch.linalg.vector_norm(self.x[k] - self.z[k]).item(),
+                torch.linalg.vector_norm(self.z[k]).item(),
+                self.rho * torch.linalg.vector_norm(self.z[k] - self._prev[k]).item(),
+                torch.linalg.vector_norm(self.x[k]).item(),
+                c.sent, c.recv, t1 - t0, t2 - t1, 0.0,
+            ])
+        t3 = time.perf_counter()
+        for r in rows:
+            r[-1] = t3 - t2
+        if not telemetry:
+            return None
+        local = torch.tensor(rows, dtype=torch.float64)
+        table = self.comm.gather_rows(local)
+        rec = self._record(table)
+        self.history.append(rec)
+        bad = [i for i in range(table.shape[0])
+               if not all(math.isfinite(v) for v in table[i, :5].tolist())]
+        if bad:
+            raise NonFiniteError(f"round {self.round}: non-finite objective or state on node(s) {bad}: "
+                                 "lower --eta or --grad_clip, or check that node's examples; "
+                                 "resume=auto restarts from the last finite checkpoint")
+        if self.config.rho_adapt and self.comm.n_nodes > 1:
+            self._adapt_rho(rec)
+        return rec
+
+    def _record(self, t: torch.Tensor) -> RoundRecord:
+        col = {name: t[:, i].tolist() for i, name in enumerate(ROW_FIELDS)}
+        norm = [p / zn if zn > 0 else (0.0 if p == 0 else math.inf)
+                for p, zn in zip(col["primal"], col["z_norm"])]
+        return RoundRecord(
+            round=self.round, f=col["f"], primal=col["primal"], primal_normalized=norm,
+            dual=col["dual"], x1_norm=col["x_norm"][0],
+            bytes_sent=[int(b) for b in col["bytes_sent"]],
+            bytes_recv=[int(b) for b in col["bytes_recv"]],
+            sec_x=col["sec_x"], sec_z=col["sec_z"], sec_other=col["sec_other"], rho=self.rho)
+
+    def run(self, xstep: XStep, rounds: int, *, telemetry: bool = True,
+            on_round: Optional[Callable[[RoundRecord], None]] = None) -> List[RoundRecord]:
+        for _ in range(rounds):
+            rec = self.step(xstep, telemetry=telemetry)
+            if on_round is not None and rec is not None:
+                on_round(rec)
+        return self.history
+
+    # -- state ------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, object]:
+        """Tensors and round number of the local nodes (safetensors-friendly keys)."""
+        out: Dict[str, object] = {"round": self.round, "rho": self._rho}
+        for k, node in enumerate(self.nodes):
+            out[f"x.{node}"] = self.x[k]
+            out[f"z.{node}"] = self.z[k]
+            out[f"u.{node}"] = self.u[k]
+        return out
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        for k, node in enumerate(self.nodes):
+            for name, dst in (("x", self.x), ("z", self.z), ("u", self.u)):
+                key = f"{name}.{node}"
+                if key not in state:
+                    raise KeyError(f"state has no {key!r}: it was saved for other nodes")
+                src = state[key]
+                if src.shape != dst[k].shape:
+                    raise ValueError(f"{key}: shape {tuple(src.shape)} != {tuple(dst[k].shape)} "
+                                     "(a checkpoint from another configuration)")
+                dst[k].copy_(src)
+        self.round = int(state["round"])
+        self._rho = float(state.get("rho", self.config.rho))

@@ -1,0 +1,54 @@
+"""Communication layer: one interface, a process-group and a single-process implementation.
+
+Use :func:`make_communicator` to get the right one for a run: under torchrun
+(a live process group) each rank is one node; otherwise all ``n_nodes`` are
+simulated in this process.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Optional
+
+import torch.distributed as dist
+
+from admm_dist.engine.comm.base import MODES, CommError, Communicator, check_mode
+from admm_dist.engine.comm.local import LocalCommunicator
+from admm_dist.engine.comm.meter import (
+    CONSENSUS, TELEMETRY, ByteMeter, chunk_bounds, chunk_sizes, ring_bytes_per_rank)
+from admm_dist.engine.comm.process_group import (
+    CoordinatorCommunicator, GossipCommunicator, ProcessGroupCommunicator, RingCommunicator)
+from admm_dist.engine.comm.topology import TOPOLOGIES, metropolis_weights, mixing_matrix, neighbours
+
+_PG_IMPLS = {"coordinator": CoordinatorCommunicator, "ring": RingCommunicator,
+             "gossip": GossipCommunicator}
+
+
+def make_communicator(mode: str, *, n_nodes: int, topology: str = "ring", gossip_steps: int = 1,
+                      timeout: Optional[datetime.timedelta] = None,
+                      backend: str = "auto", meter: Optional[ByteMeter] = None) -> Communicator:
+    """Pick the implementation: ``process_group`` (one node per rank) or ``local``.
+
+    ``backend="auto"`` uses the process group when one is initialised and
+    simulates every node in this process otherwise.
+    """
+    check_mode(mode, topology, gossip_steps)
+    if backend not in ("auto", "process_group", "local"):
+        raise ValueError(f"backend={backend!r}: choose auto, process_group or local")
+    use_pg = backend == "process_group" or (backend == "auto" and dist.is_initialized())
+    if not use_pg:
+        return LocalCommunicator(mode=mode, n_nodes=n_nodes, topology=topology,
+                                 gossip_steps=gossip_steps, meter=meter)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != n_nodes:
+        raise ValueError(f"world size {world} != number of nodes {n_nodes}: launch with "
+                         f"torchrun --nproc_per_node {n_nodes} (one rank per node)")
+    return _PG_IMPLS[mode](timeout=timeout or datetime.timedelta(minutes=5), topology=topology,
+                           gossip_steps=gossip_steps, meter=meter)
+
+
+__all__ = [
+    "MODES", "TOPOLOGIES", "CONSENSUS", "TELEMETRY", "ByteMeter", "CommError", "Communicator",
+    "LocalCommunicator", "ProcessGroupCommunicator", "CoordinatorCommunicator",
+    "RingCommunicator", "GossipCommunicator", "make_communicator", "chunk_bounds",
+    "chunk_sizes", "ring_bytes_per_rank", "neighbours", "metropolis_weights", "mixing_matrix",
+]

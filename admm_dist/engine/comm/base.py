@@ -1,0 +1,128 @@
+"""The communicator interface the ADMM engine talks to.
+
+A communicator owns a fixed set of *nodes* (training seats): one per process
+under torchrun, all of them in the single-process simulation. The engine hands
+it one flat vector per node it owns and never sees ranks or process groups.
+
+``consensus_`` replaces each v_i in place:
+
+- ``coordinator`` and ``ring``: by the exact mean (1/N) sum_j v_j;
+- ``gossip``: by ``tau`` steps of neighbour mixing v_i <- sum_j W_ij v_j.
+
+The arithmetic of a ring chunk and of a gossip step is defined once here
+(:func:`ring_accumulate`, :func:`gossip_combine`) and used by both the
+process-group and the single-process implementations, so that the two agree
+bit for bit where the summation order is ours (ring, gossip).
+"""
+from __future__ import annotations
+
+import abc
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from admm_dist.engine.comm.meter import TELEMETRY, ByteMeter, ring_bytes_per_rank
+from admm_dist.engine.comm.topology import TOPOLOGIES, metropolis_weights, neighbours
+
+MODES = ("coordinator", "ring", "gossip")
+
+
+class CommError(RuntimeError):
+    """A communication step failed (a peer died, timed out, or disagreed)."""
+
+
+def check_mode(mode: str, topology: str, gossip_steps: int) -> None:
+    if mode not in MODES:
+        raise ValueError(f"consensus={mode!r} is unknown: choose one of {', '.join(MODES)}")
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology={topology!r} is unknown: choose one of {', '.join(TOPOLOGIES)}")
+    if mode == "gossip" and gossip_steps < 1:
+        raise ValueError(f"gossip_steps={gossip_steps}: gossip needs at least one mixing step (>= 1)")
+
+
+def ring_accumulate(own: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
+    """One reduce-scatter step: the receiving node adds the incoming partial sum to its own chunk."""
+    return own.add_(incoming)
+
+
+def gossip_combine(out: torch.Tensor, own: torch.Tensor, w_own: float,
+                   incoming: Sequence[Tuple[float, torch.Tensor]]) -> torch.Tensor:
+    """out = W_ii v_i + sum_j W_ij v_j, neighbours taken in ascending order."""
+    torch.mul(own, w_own, out=out)
+    for w, t in incoming:
+        out.add_(t, alpha=w)
+    return out
+
+
+class Communicator(abc.ABC):
+    """Exchanges flat vectors between the N nodes of one ADMM problem."""
+
+    def __init__(self, *, mode: str, n_nodes: int, nodes: Sequence[int],
+                 topology: str = "ring", gossip_steps: int = 1,
+                 meter: Optional[ByteMeter] = None) -> None:
+        check_mode(mode, topology, gossip_steps)
+        if n_nodes < 1:
+            raise ValueError(f"n_nodes={n_nodes}: a consensus problem needs at least one node")
+        self.mode = mode
+        self.n_nodes = int(n_nodes)
+        self.nodes: Tuple[int, ...] = tuple(nodes)
+        self.topology = topology
+        self.gossip_steps = int(gossip_steps)
+        self.meter = meter if meter is not None else ByteMeter()
+        self.neighbours: List[List[int]] = neighbours(topology, self.n_nodes)
+        self.weights = metropolis_weights(self.neighbours)
+
+    @property
+    def exact(self) -> bool:
+        """True when consensus_ returns the exact mean (every z_i is one point z)."""
+        return self.mode != "gossip" or self.n_nodes == 1
+
+    def degree(self, node: int) -> int:
+        return len(self.neighbours[node])
+
+    def analytic_bytes(self, numel: int, node: int, itemsize: int = 4) -> int:
+        """Bytes ``node`` sends in one consensus_ of ``numel`` items (ring convention for all_reduce)."""
+        if self.n_nodes == 1:
+            return 0
+        if self.mode == "gossip":
+            return self.gossip_steps * self.degree(node) * numel * itemsize
+        return ring_bytes_per_rank(numel, self.n_nodes, node, itemsize)
+
+    def ring_convention(self, numel: int, node: int, itemsize: int = 4) -> dict:
+        """What a ring all-reduce would send from ``node`` and deliver to it (from its left)."""
+        n = self.n_nodes
+        return {"sent": ring_bytes_per_rank(numel, n, node, itemsize),
+                "recv": ring_bytes_per_rank(numel, n, (node - 1) % n, itemsize)}
+
+    def _check_vectors(self, vectors: Sequence[torch.Tensor]) -> None:
+        if len(vectors) != len(self.nodes):
+            raise ValueError(f"consensus_ got {len(vectors)} vectors for {len(self.nodes)} local node(s)")
+        for v in vectors:
+            if v.dim() != 1 or not v.is_contiguous() or not v.is_floating_point():
+                raise ValueError("consensus_ works on contiguous 1-D floating-point vectors "
+                                 f"(got shape {tuple(v.shape)}, dtype {v.dtype}): flatten it first")
+        if len({v.numel() for v in vectors}) > 1:
+            raise ValueError("every node's vector must have the same length")
+
+    @abc.abstractmethod
+    def consensus_(self, vectors: Sequence[torch.Tensor]) -> None:
+        """Replace each local node's vector in place (exact mean, or tau gossip steps)."""
+
+    @abc.abstractmethod
+    def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """[len(nodes), k] local rows -> [n_nodes, k] for every node, in node order.
+
+        For small telemetry (losses, residual norms, hashes); metered as ``telemetry``.
+        """
+
+    def barrier(self) -> None:
+        """Wait for every node (a no-op in one process)."""
+
+    def close(self) -> None:
+        """Release buffers; the process group itself belongs to :mod:`admm_dist.engine.dist`."""
+
+    def _meter_gather(self, row_bytes: int) -> None:
+        n = self.n_nodes
+        for node in self.nodes:
+            self.meter.add(node, "all_gather", sent=row_bytes * (n - 1),
+                           recv=row_bytes * (n - 1), phase=TELEMETRY)

@@ -1,0 +1,99 @@
+"""Preemption: SIGUSR2 noted from the start of a run to its last write, and what a batch script reads.
+
+SLURM warns a job before its time limit (``#SBATCH --signal=B:USR2@120``); the batch script
+(``launch/slurm.sbatch``) forwards the warning to *this job's* workers only, by the PIDs
+they record here, never by name. The trainer acts on the note at the next safe point: after
+set-up (nothing trained yet) or at the end of a round (every rank checkpoints that round).
+A note that arrives during the final writes is ignored: the run is finishing anyway.
+
+With ``ADMM_JOB_DIR`` set (the batch script sets it to ``logs/<job id>``), every worker
+writes ``pids/<host>-rank<RANK>.pid`` there at start and removes it at exit, and rank 0
+writes ``status.json`` when it stops::
+
+    {"state": "finished" | "preempted" | "failed", "round": 12, "out": "runs/x", "message": "..."}
+
+The script requeues the job only when the state is ``preempted``. Without ``ADMM_JOB_DIR``
+nothing is written and USR2 still stops the run cleanly.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from typing import Callable, Optional
+
+from admm_dist.core.errors import AdmmDistError
+from admm_dist.core.io import atomic_write_json
+
+JOB_DIR_ENV = "ADMM_JOB_DIR"
+STATES = ("finished", "preempted", "failed")
+
+
+class PreemptionFlag:
+    """Notes SIGUSR2 (in the main thread); ``install`` returns the undo."""
+
+    def __init__(self) -> None:
+        self.noted = False
+
+    def note(self, signum=None, frame=None) -> None:
+        self.noted = True
+
+    def install(self) -> Callable[[], None]:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        old = signal.signal(signal.SIGUSR2, self.note)
+        return lambda: signal.signal(signal.SIGUSR2, old)
+
+
+def job_dir(env: Optional[dict] = None) -> Optional[str]:
+    env = os.environ if env is None else env
+    return env.get(JOB_DIR_ENV) or None
+
+
+def pid_path(folder: str, rank: int) -> str:
+    host = socket.gethostname().split(".")[0]
+    return os.path.join(folder, "pids", f"{host}-rank{rank}.pid")
+
+
+def record_pid(rank: int) -> Callable[[], None]:
+    """Write this worker's PID file under ``$ADMM_JOB_DIR``; returns the removal."""
+    folder = job_dir()
+    if folder is None:
+        return lambda: None
+    path = pid_path(folder, rank)
+    atomic_write_json(path, os.getpid())
+
+    def remove() -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return remove
+
+
+def write_status(state: str, *, round_: Optional[int], out: str, message: str) -> None:
+    """Rank 0's last word to the batch script (no-op without ``$ADMM_JOB_DIR``)."""
+    if state not in STATES:
+        raise ValueError(f"status {state!r}: one of {STATES}")
+    folder = job_dir()
+    if folder is None:
+        return
+    atomic_write_json(os.path.join(folder, "status.json"),
+                      {"state": state, "round": round_, "out": out, "message": message})
+
+
+class Preempted(AdmmDistError):
+    """SIGUSR2 arrived (SLURM's warning before the time limit): every rank checkpointed the
+    same round (or stopped after set-up) and stops; a requeued job continues with ``resume=auto``."""
+
+    def __init__(self, round_: int, *, in_setup: bool = False):
+        if not in_setup:
+            msg = f"preempted after round {round_}: checkpoint written; rerun with resume=auto"
+        elif round_ == 0:
+            msg = "preempted during set-up, before round 1: nothing to resume yet; rerun (resume=auto starts at round 0)"
+        else:
+            msg = (f"preempted during set-up after resuming round {round_}: its checkpoint stands; "
+                   "rerun with resume=auto")
+        super().__init__(msg)
+        self.round = round_

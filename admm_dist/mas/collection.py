@@ -1,0 +1,307 @@
+"""On-policy collection: the MAS rolls out training queries; its messages become fit sets.
+
+For each query the chain is sampled ``group`` times under the current adapters, and every
+adapted seat's message becomes an ``sft`` example labelled with the outcome (DESIGN.md
+section 5). The trainer derives ``dpo``/``rsft`` from it (:func:`admm_dist.data.fitset.derive`).
+
+- ``credit shared``: ``group`` whole chains; every message of a chain is credited with the
+  chain's outcome. DPO pairs a seat's message from a successful chain with one from a failed
+  chain of the same query (their prompts may differ: ``rejected_prompt``).
+- ``credit per_role``: one prefix chain per query (seed ``seed``); for each adapted seat k,
+  ``group`` branches sample seat k's message from that fixed prefix and finish the chain
+  with ``downstream_seed`` (the same for every branch), so a difference in outcome belongs
+  to seat k's message. DPO pairs share seat k's prompt. With ``prefix_samples`` P > 1 the
+  prefix is the first of P sampled chains that answered right (the first chain when none
+  did): branching from a prefix whose upstream messages are already wrong rewards only the
+  downstream messages that happen to cancel the error, which teaches wrong steps.
+- ``reward outcome``: the task's scorer on the final message (1 or 0). ``gold_likelihood``:
+  the mean log-probability of the gold answer as the last seat's reply after the chain;
+  a message succeeds when its chain's likelihood beats the query's mean.
+- Filters: ``anchor_pool`` pre-screens candidates with two sampled chains each and drops
+  those answered right both times; ``anchor_pass_band LO,HI`` keeps queries whose pass rate
+  lies strictly inside (LO, HI).
+
+:func:`collect_fitset` is the trainer's whole step (queries, pre-screen, rollouts, filter).
+Work is split in chunks of ``gen_chunk`` queries; chunk c runs on rank c mod world and the
+results are all-gathered (JSON over the communicator's telemetry path), so every rank ends
+with the same fit set as one process would build, and keeps its own seats' examples.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from admm_dist.data import queries
+from admm_dist import tasks
+from admm_dist.data.fitset import Example, FitSet
+from admm_dist.mas import ChainConfig, ChainRunner, row_seed
+
+COLLECT_KEY = ("task", "prompt", "think", "n_agents", "adapt_roles", "credit", "reward",
+               "fit_mode", "anchors", "group", "seed", "downstream_seed", "sink_tokens",
+               "max_new_tokens", "temperature", "top_p", "anchor_split", "anchor_pass_band",
+               "anchor_pool", "anchor_offset", "task_path", "text_mas_context_length",
+               "fit_prompt", "agent_models", "prefix_samples", "generation_backend")
+# Keys added after fit sets were first written, with the value that reproduces such a file:
+# they enter the key only when set otherwise, so an older cache stays valid.
+LATER_KEYS = {"prefix_samples": 1, "generation_backend": "hf"}
+PRESCREEN_SALT = 777000
+
+
+def collect_key(cfg, *, init_sha: str = "none", collection: int = 0) -> Dict[str, Any]:
+    """The settings a collected fit set is keyed by (a cache built otherwise is refused)."""
+    key = {k: getattr(cfg, k) for k in COLLECT_KEY if getattr(cfg, k) != LATER_KEYS.get(k, object())}
+    key.update(init_sha=init_sha, collection=collection, sampling_structure="on_policy")
+    return key
+
+
+Exchange = Callable[[Any], List[Any]]    # this rank's JSON-able result -> every rank's, in rank order
+
+
+def gather_json(comm, device) -> Exchange:
+    """An Exchange over a Communicator with one node per rank (bytes metered as telemetry)."""
+    def exchange(obj: Any) -> List[Any]:
+        if comm.n_nodes == 1:
+            return [obj]
+        data = json.dumps(obj, sort_keys=True).encode()
+        n = comm.gather_rows(torch.tensor([[len(data)]], dtype=torch.int64, device=device))
+        sizes = [int(v) for v in n[:, 0].tolist()]
+        buf = torch.zeros((1, max(sizes)), dtype=torch.uint8, device=device)
+        if data:
+            buf[0, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        rows = comm.gather_rows(buf).cpu()
+        return [json.loads(bytes(rows[i, :sizes[i]].tolist()).decode()) for i in range(len(sizes))]
+    return exchange
+
+
+@dataclasses.dataclass
+class Collector:
+    """Collects with ``runner`` (its adapter states are set by the caller) for ``task``."""
+    runner: ChainRunner
+    task: str
+    seats: Sequence[int]                 # adapted seats: the ones that get examples
+    group: int = 8
+    credit: str = "shared"
+    reward: str = "outcome"
+    seed: int = 42
+    downstream_seed: int = 1234
+    chunk: int = 8
+    prefix_samples: int = 1              # per_role: branch from the first right of P prefix chains
+    fit_prompt: Optional[str] = None
+    rank: int = 0
+    world: int = 1
+    exchange: Optional[Exchange] = None
+
+    def __post_init__(self) -> None:
+        if self.reward == "judge":
+            raise ValueError("reward judge labels stored trajectories: build the fit set with "
+                             "admm_dist.cli.build_fitset and judge_fitset, then pass --fitset_cache")
+        if self.prefix_samples < 1:
+            raise ValueError(f"prefix_samples={self.prefix_samples}: use 1 (one prefix chain) or more")
+        if self.prefix_samples > 1 and self.credit != "per_role":
+            raise ValueError("prefix_samples picks the prefix that per_role credit branches from: "
+                             "use it with --credit per_role, or drop it")
+        if self.prefix_samples > 1 and tasks.get(self.task).answer_type == "safety":
+            raise ValueError("prefix_samples keeps a prefix that answered right, which a safety task "
+                             "cannot score without a judge: drop --prefix_samples")
+        if self.world > 1 and self.exchange is None:
+            raise ValueError("a collection over several ranks needs an exchange (collect.gather_json)")
+
+    # ------------------------------------------------------------------ work split
+    def _map(self, items: Sequence[dict], fn: Callable[[List[dict]], List[Any]]) -> List[Any]:
+        """fn over chunks of items; chunk c on rank c % world; results in item order everywhere."""
+        chunks = [list(items[i:i + self.chunk]) for i in range(0, len(items), self.chunk)]
+        mine = {c: fn(ch) for c, ch in enumerate(chunks) if c % self.world == self.rank}
+        if self.world > 1:
+            merged: Dict[int, Any] = {}
+            for part in self.exchange({str(c): v for c, v in mine.items()}):
+                merged.update({int(c): v for c, v in part.items()})
+            mine = merged
+        return [r for c in range(len(chunks)) for r in mine[c]]
+
+    def _ok(self, text: str, item: dict) -> bool:
+        return bool(tasks.score(self.task, text, item)[1])
+
+    # ------------------------------------------------------------------ pre-screen
+    def prescreen(self, candidates: Sequence[dict], keep: int) -> Tuple[List[dict], Dict[str, Any]]:
+        """Drop candidates the MAS answers right in both of two sampled chains; keep ``keep``."""
+        if tasks.get(self.task).answer_type == "safety":
+            raise ValueError("anchor_pool pre-screening is for reasoning tasks: drop --anchor_pool")
+
+        def probe(chunk: List[dict]) -> List[int]:
+            runs = self.runner.run(chunk, samples=2, seed=self.seed + PRESCREEN_SALT)
+            return [sum(not self._ok(r.final_text, it) for r in rs) for it, rs in zip(chunk, runs)]
+        fails = self._map(candidates, probe)
+        survivors = [it for it, f in zip(candidates, fails) if f > 0]
+        all_pass = [it for it, f in zip(candidates, fails) if f == 0]
+        kept = (survivors + all_pass)[:keep] if len(survivors) < keep else survivors[:keep]
+        return kept, {"pool": len(candidates), "survivors": len(survivors),
+                      "all_pass_discarded": len(all_pass), "kept": len(kept)}
+
+    # ------------------------------------------------------------------ rollouts
+    def _example(self, seat: int, item: dict, history: Sequence[str], prompt: str, target: str,
+                 reward: float, success: Optional[bool]) -> dict:
+        if self.fit_prompt:
+            prompt = self.runner.prompt_text(seat, item, history, mode=self.fit_prompt)
+        return dataclasses.asdict(Example(seat=seat, role=_role(seat), anchor=str(item["anchor"]),
+                                          prompt=prompt, target=target, reward=float(reward),
+                                          success=success))
+
+    def _shared(self, chunk: List[dict]) -> List[dict]:
+        runs = self.runner.run(chunk, samples=self.group, seed=self.seed)
+        out = []
+        for it, rs in zip(chunk, runs):
+            rewards = self._rewards(it, rs)
+            outcomes = [self._ok(r.final_text, it) for r in rs]
+            labels = self._labels(rewards, outcomes)
+            exs = [self._example(k, it, r.texts[:k], r.prompts[k], r.texts[k], w, lab)
+                   for r, w, lab in zip(rs, rewards, labels) for k in self.seats]
+            out.append({"anchor": it["anchor"], "outcomes": [int(o) for o in outcomes], "examples": exs})
+        return out
+
+    def branches(self, chunk: List[dict]) -> Dict[Tuple[int, int], list]:
+        """``credit per_role`` rollouts: {(query index, seat): the ``group`` branched chains}.
+        Every branch of (i, k) shares query i's prefix chain up to seat k; seat k samples
+        with ``seed``; the seats after k use ``downstream_seed``, the same for every branch."""
+        runs = self.runner.run(chunk, samples=self.prefix_samples, seed=self.seed)
+        base = [next((r for r in rs if self._ok(r.final_text, it)), rs[0]) if len(rs) > 1 else rs[0]
+                for it, rs in zip(chunk, runs)]
+        self._prefix_ok = [self._ok(b.final_text, it) for it, b in zip(chunk, base)]
+        rows, hist, meta = [], [], []
+        for i, (it, b) in enumerate(zip(chunk, base)):
+            for k in self.seats:
+                for g in range(self.group):
+                    rows.append(it)
+                    hist.append(b.texts[:k])
+                    meta.append((i, k, g))
+
+        def seed_of(r: int, seat: int) -> int:
+            i, k, g = meta[r]
+            anchor = str(chunk[i]["anchor"])
+            if seat == k:
+                return row_seed(self.seed, anchor, g, k)
+            return row_seed(self.downstream_seed, anchor, 0, seat)
+        conts = self.runner.continue_chains(rows, hist, seed_of, samples=[m[2] for m in meta])
+        out: Dict[Tuple[int, int], list] = {}
+        for (i, k, _g), c in zip(meta, conts):
+            out.setdefault((i, k), []).append(c)
+        return out
+
+    def _per_role(self, chunk: List[dict]) -> List[dict]:
+        by = self.branches(chunk)
+        out = []
+        for i, it in enumerate(chunk):
+            outcomes_all, exs = [], []
+            for k in self.seats:
+                branch = by[(i, k)]
+                rewards = self._rewards(it, branch)
+                outcomes = [self._ok(c.final_text, it) for c in branch]
+                labels = self._labels(rewards, outcomes)
+                outcomes_all += outcomes
+                exs += [self._example(k, it, c.texts[:k], c.prompts[k], c.texts[k], w, lab)
+                        for c, w, lab in zip(branch, rewards, labels)]
+            out.append({"anchor": it["anchor"], "outcomes": [int(o) for o in outcomes_all], "examples": exs,
+                        "prefix_ok": int(self._prefix_ok[i])})
+        return out
+
+    def _rewards(self, item: dict, rollouts) -> List[float]:
+        if self.reward == "outcome":
+            return [1.0 if self._ok(r.final_text, item) else 0.0 for r in rollouts]
+        return [gold_loglik(self.runner, item, r.texts) for r in rollouts]
+
+    def _labels(self, rewards: List[float], outcomes: List[bool]) -> List[Optional[bool]]:
+        if self.reward == "outcome":
+            return list(outcomes)
+        mean = sum(rewards) / len(rewards)
+        return [w > mean for w in rewards]
+
+    # ------------------------------------------------------------------ the whole step
+    def collect(self, items: Sequence[dict], *, pass_band: Optional[Tuple[float, float]] = None
+                ) -> Tuple[List[Example], Dict[str, Any]]:
+        if pass_band is not None and self.reward != "outcome":
+            raise ValueError("anchor_pass_band filters by outcome: use it with --reward outcome")
+        groups = self._map(items, self._per_role if self.credit == "per_role" else self._shared)
+        rates = [sum(g["outcomes"]) / max(1, len(g["outcomes"])) for g in groups]
+        kept = [g for g, p in zip(groups, rates) if pass_band is None or pass_band[0] < p < pass_band[1]]
+        examples = [Example(**e) for g in kept for e in g["examples"]]
+        stats = {
+            "queries": len(groups), "kept_queries": len(kept), "examples": len(examples),
+            "mean_pass_rate": sum(rates) / max(1, len(rates)),
+            "mixed_group_rate": sum(0 < p < 1 for p in rates) / max(1, len(rates)),
+            "per_group_outcomes": {g["anchor"]: g["outcomes"] for g in groups},
+            "credit": self.credit, "reward": self.reward, "group": self.group,
+        }
+        if self.credit == "per_role":
+            stats.update(prefix_samples=self.prefix_samples,
+                         prefix_right_rate=sum(g["prefix_ok"] for g in groups) / max(1, len(groups)))
+        return examples, stats
+
+
+def _role(seat: int) -> str:
+    from admm_dist.mas.prompts import role_name
+    return role_name(seat)
+
+
+@torch.no_grad()
+def gold_loglik(runner: ChainRunner, item: dict, texts: Sequence[str]) -> float:
+    """Mean log-probability per token of ``Answer: <gold>`` as the last seat's reply."""
+    last = runner.cfg.n_agents - 1
+    model, tok = runner.seat_models.get(last, (runner.model, runner.tok))
+    prompt = runner.prompt_text(last, item, texts[:last], tokenizer=tok)
+    p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    t_ids = tok(f"Answer: {item['gold']}", add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([p_ids + t_ids], device=next(model.parameters()).device)
+    with runner.seat_context(last, model):
+        logits = model(input_ids=ids).logits[0, len(p_ids) - 1:-1].float()
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[0, len(p_ids):, None])
+    return float(lp.mean())
+
+
+# --------------------------------------------------------------------------- the trainer's step
+def chain_runner(cfg, model, tokenizer, *, adapter=None, states=None, seat_models=None,
+                 generator=None) -> ChainRunner:
+    """The chain a TrainConfig describes, on ``model`` (the adapter's wrapped backbone)."""
+    runner = ChainRunner(model, tokenizer, ChainConfig(
+        n_agents=cfg.n_agents, prompt=cfg.prompt, words=tasks.get(cfg.task).words, think=cfg.think,
+        context_tokens=cfg.text_mas_context_length, max_new_tokens=cfg.max_new_tokens,
+        sink_tokens=cfg.sink_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+        batch_size=cfg.gen_batch_size), adapter=adapter, seat_states=states, seat_models=seat_models,
+        generator=generator)
+    if cfg.reward == "outcome" and runner.cfg.budget(cfg.n_agents - 1) <= 0:
+        raise ValueError("--reward outcome needs the final agent to generate (--sink_tokens > 0)")
+    return runner
+
+
+def load_seat_models(backbones: Dict[int, str], device) -> Dict[int, Tuple[Any, Any]]:
+    """``agent_models``: {seat: (model, tokenizer)}, each from a folder or a hub id."""
+    from admm_dist.model.loading import load_model
+
+    return {seat: load_model(src, device, what=f"agent_models seat {seat}")
+            for seat, src in backbones.items()}
+
+
+def collect_fitset(cfg, runner: ChainRunner, *, collection: int = 0, init_sha: str = "none",
+                   rank: int = 0, world: int = 1, exchange: Optional[Exchange] = None) -> FitSet:
+    """One collection of a TrainConfig: pick the queries (the ``collection``-th fresh slice of
+    the pool), pre-screen them, roll out, filter; an ``sft`` FitSet keyed by :func:`collect_key`
+    whose ``anchor_keys`` list every query looked at (the evaluation leakage check uses them)."""
+    t0 = time.time()
+    collector = Collector(runner, cfg.task, cfg.adapted_seats(), group=cfg.group, credit=cfg.credit,
+                          reward=cfg.reward, seed=cfg.seed, downstream_seed=cfg.downstream_seed,
+                          chunk=cfg.gen_chunk, prefix_samples=cfg.prefix_samples,
+                          fit_prompt=cfg.fit_prompt, rank=rank, world=world,
+                          exchange=exchange)
+    pool = queries.pool(cfg.task, seed=cfg.seed, split=cfg.anchor_split, path=cfg.task_path)
+    want = max(cfg.anchor_pool or 0, cfg.anchors)
+    cands = queries.training_slice(pool, want, offset=cfg.anchor_offset, collection=collection)
+    stats: Dict[str, Any] = {}
+    items = cands[-cfg.anchors:]
+    if cfg.anchor_pool and cfg.anchor_pool > cfg.anchors:
+        items, stats["prescreen"] = collector.prescreen(cands, cfg.anchors)
+    examples, more = collector.collect(items, pass_band=cfg.pass_band())
+    stats.update(more, collection=collection, seconds=round(time.time() - t0, 2))
+    return FitSet(examples, "sft", collect_key(cfg, init_sha=init_sha, collection=collection), stats,
+                  anchor_keys=[str(it["anchor"]) for it in cands])

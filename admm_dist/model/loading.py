@@ -1,0 +1,37 @@
+"""Loading a backbone: a local model folder or a hub id, checked before anything loads."""
+from __future__ import annotations
+
+import os
+
+from admm_dist.core.errors import UserError, one_line
+from admm_dist.core.libraries import quiet_libraries
+
+
+def check_model_src(src: str, what: str = "--model_name") -> bool:
+    """Refuse a model path that cannot be a model, before anything loads; True if local."""
+    local = os.path.isdir(src)
+    if not local and (src.startswith((".", "/", "~")) or src.count("/") > 1 or os.path.exists(src)):
+        raise UserError(f"{what} {src}: no such model folder (give a folder with config.json or a hub id)")
+    if local and not os.path.isfile(os.path.join(src, "config.json")):
+        raise UserError(f"{what} {src}: the folder holds no config.json, so it is not a model folder")
+    return local
+
+
+def load_model(src: str, device, *, what: str = "--model_name"):
+    """(model, tokenizer) from a local folder or a hub id, in eval mode on ``device``
+    (bf16 on CUDA, fp32 on CPU); a model that cannot be loaded is one UserError."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_libraries()
+    local = check_model_src(src, what)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        tok = AutoTokenizer.from_pretrained(src, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=local)
+    except Exception as exc:  # transformers raises OSError, ValueError, hub errors...
+        raise UserError(f"{what} {src}: cannot load it ({type(exc).__name__}: {one_line(exc)[:160]}): "
+                        f"give a local model folder or a reachable hub id") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model.to(device).eval(), tok

@@ -1,0 +1,281 @@
+"""The training run's configuration: one flat dataclass keyed by the seed's flag names.
+
+Defaults are the paper's safety settings (Table A2): rho 0.03, 16 local Adam
+steps, lr 1e-3, clip 0.01, batch 8, beta_DPO = beta_KL = 0.1, rank-16 LoRA on
+all seven projections of all 36 layers, B only. A YAML file in ``configs/``
+overrides them, and the command line overrides the file
+(:mod:`admm_dist.core.config_file`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from typing import Any, Dict, List, Optional
+
+from admm_dist.engine.comm import MODES, TOPOLOGIES
+from admm_dist.mas.prompts import role_name
+from admm_dist.mas.seats import GENERATION_BACKENDS, ROLE_SETS, adapted_seats, parse_agent_models
+
+# Keys that do not change what is computed: a checkpoint or a fit set made under
+# other values of these is still valid.
+NON_SEMANTIC = frozenset({
+    "out", "report_dir", "quiet", "resume", "checkpoint_every", "keep_checkpoints",
+    "k_outer", "timeout_s", "export_peft", "dry_run", "backend", "device", "dev_every",
+    "fault_at", "gen_batch_size", "overwrite", "max_delta_w_rel",
+    "vllm_max_model_len", "vllm_kv_cache_gib", "vllm_gpu_memory_utilization",
+})
+# Keys added after checkpoints were first written, with the value that reproduces them: they
+# enter the fingerprint only when set otherwise, so an older run still resumes.
+LATER_KEYS = {"generation_backend": "hf"}
+def _choice(name: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: choose one of {', '.join(map(str, choices))}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    # system
+    task: str = "fitset"
+    model_name: str = "Qwen/Qwen3-8B"
+    device: str = "auto"
+    seed: int = 42
+    n_agents: int = 4
+    adapt_roles: str = "all"
+    backend: str = "auto"           # auto | process_group | local
+    timeout_s: float = 600.0        # bound on every collective
+
+    # the multi-agent system and on-policy collection (DESIGN.md section 5)
+    task_path: Optional[str] = None       # local JSON/JSONL/CSV for the task instead of the hub
+    prompt: str = "sequential_v2"
+    fit_prompt: Optional[str] = None      # fit every message under this (deployment) prompt
+    think: bool = False
+    text_mas_context_length: Optional[int] = None
+    agent_models: Optional[str] = None    # "SEAT=PATH[,SEAT=PATH]": a seat on another backbone
+    anchors: int = 32
+    group: int = 8
+    credit: str = "shared"
+    reward: str = "outcome"
+    anchor_split: Optional[str] = None
+    anchor_offset: Optional[int] = None
+    anchor_pool: Optional[int] = None
+    anchor_pass_band: Optional[str] = None
+    recollect_every: int = 0
+    downstream_seed: int = 1234
+    prefix_samples: int = 1               # per_role: branch from the first right of P prefix chains
+    max_new_tokens: int = 4096
+    sink_tokens: Optional[int] = None
+    temperature: float = 0.8
+    top_p: float = 0.95
+    gen_batch_size: int = 64              # rows per generate call (memory, not semantics)
+    gen_chunk: int = 8                    # queries per collection work unit
+    generation_backend: str = "hf"        # hf (transformers, bit-for-bit seeded) | vllm (docs/vllm.md)
+    vllm_max_model_len: int = 4096        # the engine's longest prompt + reply, in tokens
+    vllm_kv_cache_gib: float = 1.0        # CPU: the KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    vllm_gpu_memory_utilization: float = 0.5   # GPU: the engine's share (the trainer holds the rest)
+
+    # data
+    fitset_cache: Optional[str] = None
+    fit_filter: str = "drop_unclosed_think"
+    dedup_targets: int = 3
+    dev_frac: float = 0.0
+    dev_every: int = 1
+    partition: str = "seat"
+    empty_nodes: str = "error"      # error | prox: a node without examples has f_i = 0
+    n_partitions: int = 0
+    pooled: bool = False
+    dry_run: bool = False
+    init_state: Optional[str] = None
+
+    # objective
+    fit_mode: str = "dpo"
+    dpo_beta: float = 0.1
+    kl_beta: float = 0.1
+    kl_ref: str = "frozen"
+    no_role_balance: bool = False
+    target_span: str = "full"
+    max_target_tokens: int = 4096
+    max_prompt_tokens: int = 8192
+    no_grad_checkpointing: bool = False
+
+    # adapter
+    lora_rank: int = 16
+    lora_alpha: float = 16.0
+    lora_layers_last: int = 36
+    lora_targets: str = "attn_mlp"
+    lora_basis_seed: Optional[int] = None
+
+    # ADMM
+    k_outer: int = 20
+    local_steps: int = 16
+    batch_size: int = 8
+    eta: float = 1e-3
+    rho: float = 0.03
+    grad_clip: float = 0.01
+    consensus: str = "ring"
+    topology: str = "ring"
+    gossip_steps: int = 1
+    local_only: bool = False
+    no_dual: bool = False
+    rho_adapt: bool = False         # residual balancing (Boyd et al. 2011, 3.4.1); duals rescaled
+    rho_mu: float = 10.0
+    rho_tau: float = 2.0
+
+    # outputs and fault tolerance
+    out: str = "runs/admm"
+    report_dir: str = "results"
+    quiet: bool = False
+    checkpoint_every: int = 1
+    keep_checkpoints: int = 3
+    resume: str = "never"           # never | auto
+    overwrite: bool = False         # a fresh run may replace the run already in `out`
+    max_delta_w_rel: float = 10.0   # a result with ||dW||/||W|| above this diverged: refused
+    export_peft: bool = False
+    fault_at: Optional[str] = None  # test-only: "ROUND:NODE" kills after that round's checkpoint,
+    #                                 "nan@ROUND:NODE" makes that node's loss NaN in that round
+
+    def __post_init__(self) -> None:
+        _choice("adapt_roles", self.adapt_roles, ("all", "nonsink", "middle"))
+        _choice("backend", self.backend, ("auto", "process_group", "local"))
+        _choice("fit_filter", self.fit_filter, ("none", "drop_unclosed_think"))
+        _choice("partition", self.partition, ("seat", "anchor"))
+        _choice("empty_nodes", self.empty_nodes, ("error", "prox"))
+        _choice("fit_mode", self.fit_mode, ("dpo", "sft", "rsft"))
+        _choice("kl_ref", self.kl_ref, ("frozen", "collect"))
+        _choice("target_span", self.target_span, ("full", "visible"))
+        _choice("lora_targets", self.lora_targets, ("attn_qv", "attn_all", "attn_mlp"))
+        _choice("consensus", self.consensus, MODES)
+        _choice("topology", self.topology, TOPOLOGIES)
+        _choice("resume", self.resume, ("never", "auto"))
+        _choice("generation_backend", self.generation_backend, GENERATION_BACKENDS)
+        if self.vllm_max_model_len < 16:
+            raise ValueError(f"vllm_max_model_len={self.vllm_max_model_len}: give the longest prompt + reply "
+                             "in tokens (e.g. 4096)")
+        if not (math.isfinite(self.vllm_kv_cache_gib) and self.vllm_kv_cache_gib > 0):
+            raise ValueError(f"vllm_kv_cache_gib={self.vllm_kv_cache_gib}: give a size in GiB > 0 (e.g. 1)")
+        if not 0 < self.vllm_gpu_memory_utilization < 1:
+            raise ValueError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}: give the "
+                             "engine's share of GPU memory in (0, 1), e.g. 0.5")
+        from admm_dist.mas.prompts import prompt_modes
+
+        _choice("prompt", self.prompt, prompt_modes())
+        if self.fit_prompt is not None:
+            _choice("fit_prompt", self.fit_prompt, prompt_modes())
+        _choice("credit", self.credit, ("shared", "per_role"))
+        _choice("reward", self.reward, ("outcome", "judge", "gold_likelihood"))
+        for name in ("anchors", "group", "max_new_tokens", "gen_batch_size", "gen_chunk", "prefix_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: it must be >= 1")
+        if self.prefix_samples > 1 and self.credit != "per_role":
+            raise ValueError(f"prefix_samples={self.prefix_samples} picks the prefix per_role credit branches "
+                             "from: use --credit per_role, or prefix_samples 1")
+        if self.recollect_every < 0:
+            raise ValueError(f"recollect_every={self.recollect_every}: use 0 (collect once) or N >= 1 rounds")
+        if self.sink_tokens is not None and self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens={self.sink_tokens}: use 0 (the last seat is silent) or a budget")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature={self.temperature}: collection samples; use a value > 0 (e.g. 0.8)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: use a value in (0, 1]")
+        if self.anchor_pool is not None and self.anchor_pool < self.anchors:
+            raise ValueError(f"anchor_pool={self.anchor_pool} < anchors={self.anchors}: the pool must "
+                             "hold at least the queries kept")
+        self.pass_band()
+        self.seat_backbones()
+        positive = ("n_agents", "k_outer", "local_steps", "batch_size", "lora_rank",
+                    "lora_layers_last", "max_target_tokens", "max_prompt_tokens", "dev_every",
+                    "checkpoint_every", "keep_checkpoints", "gossip_steps")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: it must be >= 1")
+        self._check_out()
+        if self.overwrite and self.resume == "auto":
+            raise ValueError("overwrite=true replaces the run in out=, resume=auto continues it: choose one")
+        for name in ("eta", "grad_clip", "lora_alpha", "timeout_s", "max_delta_w_rel"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name}={v}: it must be a finite number > 0")
+        for name in ("dpo_beta", "kl_beta", "rho"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name}={v}: it must be a finite number >= 0")
+        if self.rho == 0 and not self.local_only:
+            raise ValueError("rho=0 decouples the nodes: use --local_only for that ablation")
+        if not 0 <= self.dev_frac < 1:
+            raise ValueError(f"dev_frac={self.dev_frac}: pass a held-out fraction in [0, 1), e.g. dev_frac=0.1 "
+                             "(0 holds out nothing)")
+        if self.dedup_targets < 0:
+            raise ValueError(f"dedup_targets={self.dedup_targets}: use 0 (off) or a cap >= 1")
+        if self.local_only and self.no_dual:
+            raise ValueError("local_only and no_dual are separate ablations: choose one")
+        self.admm_config()   # rho_adapt / rho_mu / rho_tau say how to fix themselves
+        if self.pooled and self.partition == "anchor":
+            raise ValueError("pooled puts every example on one node: drop --partition anchor")
+        if self.n_partitions < 0:
+            raise ValueError(f"n_partitions={self.n_partitions}: use 0 (one per seat) or >= 1")
+        if self.fault_at is not None:
+            parts = self.fault_at.removeprefix("nan@").split(":")
+            if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+                raise ValueError(f"fault_at={self.fault_at!r}: write ROUND:NODE or nan@ROUND:NODE, e.g. 3:1")
+
+    def _check_out(self) -> None:
+        """``out`` names a run (``runs/x`` -> runs/x/, runs/x-last.safetensors, ...); a trailing
+        slash is dropped."""
+        out = str(self.out).rstrip("/")
+        if not out or os.path.basename(out) in (".", ".."):
+            raise ValueError(f"out={self.out!r}: name the run, e.g. out=runs/ring (its files go to runs/ring/, "
+                             "runs/ring-last.safetensors and runs/ring.ckpt/)")
+        object.__setattr__(self, "out", out)
+        if not str(self.report_dir).strip():
+            raise ValueError("report_dir='': name a folder for the training report, e.g. report_dir=results")
+
+    # -- derived --------------------------------------------------------------
+    def admm_config(self):
+        from admm_dist.engine.admm import ADMMConfig
+
+        return ADMMConfig(rho=self.rho, local_only=self.local_only, no_dual=self.no_dual,
+                          rho_adapt=self.rho_adapt, rho_mu=self.rho_mu, rho_tau=self.rho_tau)
+
+    @property
+    def basis_seed(self) -> int:
+        return self.seed if self.lora_basis_seed is None else self.lora_basis_seed
+
+    def adapted_seats(self):
+        return adapted_seats(self.adapt_roles, self.n_agents)
+
+    def pass_band(self):
+        """``anchor_pass_band`` as (lo, hi), or None."""
+        if not self.anchor_pass_band:
+            return None
+        try:
+            lo, hi = (float(x) for x in str(self.anchor_pass_band).split(","))
+        except ValueError:
+            raise ValueError(f"anchor_pass_band={self.anchor_pass_band!r}: write LO,HI, e.g. 0,1") from None
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"anchor_pass_band {lo},{hi} is not 0 <= LO < HI <= 1")
+        return lo, hi
+
+    def seat_backbones(self) -> Dict[int, str]:
+        """``agent_models`` as {seat: model path or hub id}."""
+        return parse_agent_models(self.agent_models, self.n_agents)
+
+    def role(self, seat: int) -> str:
+        return role_name(seat)
+
+    def n_nodes(self) -> int:
+        if self.pooled:
+            return 1
+        if self.partition == "anchor":
+            return self.n_partitions or len(self.adapted_seats())
+        return len(self.adapted_seats())
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of every setting that changes what is computed (for checkpoints)."""
+        d = {k: v for k, v in self.as_dict().items()
+             if k not in NON_SEMANTIC and LATER_KEYS.get(k, object()) != v}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
