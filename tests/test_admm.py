@@ -146,7 +146,7 @@ def test_non_finite_objective_stops_with_the_round_and_node_named():
     comm = LocalCommunicator(mode="ring", n_nodes=3)
     engine = ADMMEngine(comm, ADMMConfig(rho=1.0), [torch.zeros(4)] * 3)
 
-    def xstep(node, x, anchor, rho):
+    def xstep(node, x, centre, rho):
         return float("nan") if node == 2 else 0.0
 
     with pytest.raises(NonFiniteError, match=r"round 1: .*node\(s\) \[2\]"):

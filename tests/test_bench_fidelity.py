@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from admm_dist.bench import fidelity
+from admm_dist.bench.fidelity_run import ARM_NAMES, BASE, REFERENCE
+from admm_dist.bench.fidelity_stats import crossed_bootstrap, format_table
 
 TINY = ["anchors=12", "group=4", "k_outer=2", "local_steps=2", "gen_chunk=6", "max_new_tokens=12"]
 
@@ -29,9 +31,9 @@ def test_runs_every_arm_and_writes_json_and_png(bench, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(summary["modes"]) == {"greedy", "sampled"}
     for mode, table in summary["modes"].items():
-        assert set(table) == {fidelity.BASE, *fidelity.ARM_NAMES}
-        base = table[fidelity.BASE]["mean"]
-        for name in fidelity.ARM_NAMES:
+        assert set(table) == {BASE, *ARM_NAMES}
+        base = table[BASE]["mean"]
+        for name in ARM_NAMES:
             r = table[name]
             assert "refused" not in r, (name, r)
             assert len(r["accuracy"]) == 1 and 0 <= r["accuracy"][0] <= 1
@@ -39,10 +41,10 @@ def test_runs_every_arm_and_writes_json_and_png(bench, capsys):
             lo, hi = r["gain_ci95"]
             assert lo <= r["gain"] + 1e-12 and r["gain"] <= hi + 1e-12
             assert r["wins"] == int(r["gain"] > 0)
-            if name != fidelity.REFERENCE:
-                ring = table[fidelity.REFERENCE]["mean"]
+            if name != REFERENCE:
+                ring = table[REFERENCE]["mean"]
                 assert r["minus_ref"] == pytest.approx(r["mean"] - ring)
-    for name in fidelity.ARM_NAMES:
+    for name in ARM_NAMES:
         arm = summary["arms"][name]
         assert len(arm["f"][0]) == 2 and len(arm["primal_normalized"][0]) == 2   # k_outer rounds
     # Centralized is at distance 0 from itself; per-seat arms have one distance per seat
@@ -53,9 +55,9 @@ def test_table_lists_every_arm(bench, capsys):
     _, summary, _, _, _ = bench
 
     class A:
-        samples, eval_n, arm_list = 2, 12, list(fidelity.ARM_NAMES)
-    text = fidelity.format_table(summary, A)
-    for name in (fidelity.BASE, *fidelity.ARM_NAMES):
+        samples, eval_n, arm_list = 2, 12, list(ARM_NAMES)
+    text = format_table(summary, A)
+    for name in (BASE, *ARM_NAMES):
         assert name in text
     assert "greedy accuracy on 12 held-out rows" in text
 
@@ -75,12 +77,12 @@ def test_crossed_bootstrap_covers_the_mean_and_narrows_with_rows():
     rng = np.random.default_rng(0)
     d_small = rng.normal(0.1, 1.0, size=(3, 50))
     d_big = rng.normal(0.1, 1.0, size=(3, 2000))
-    lo_s, hi_s = fidelity.crossed_bootstrap(d_small, 500)
-    lo_b, hi_b = fidelity.crossed_bootstrap(d_big, 500)
+    lo_s, hi_s = crossed_bootstrap(d_small, 500)
+    lo_b, hi_b = crossed_bootstrap(d_big, 500)
     assert lo_s < d_small.mean() < hi_s and lo_b < d_big.mean() < hi_b
     assert hi_b - lo_b < hi_s - lo_s
     # one seed: rows only; a constant difference has a zero-width interval
-    assert fidelity.crossed_bootstrap(np.full((1, 10), 0.25), 50) == pytest.approx((0.25, 0.25))
+    assert crossed_bootstrap(np.full((1, 10), 0.25), 50) == pytest.approx((0.25, 0.25))
 
 
 @pytest.mark.parametrize("argv, msg", [

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from admm_dist.bench import xstep as bench
+from admm_dist.bench.xstep_measure import trl_version
 
 POSITIVE = ("ours_s", "ours_precompute_s", "overhead_share", "overhead_share_step_wall",
             "overhead_x_s_per_step", "wall_s")
@@ -42,7 +43,7 @@ def test_bench_xstep_quick(tmp_path, capsys):
     _check_common(r)
     text = capsys.readouterr().out
     assert "ours_s" in text and "overhead_share" in text
-    if bench.trl_version() is None:
+    if trl_version() is None:
         assert r["trl"] is None and all(r[k] is None for k in TRL_FIELDS)
         assert "TRL rows skipped" in text
     else:

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from admm_dist.data import fitset as fs
+from admm_dist.data.derive import derive
 from admm_dist.testing import standin
 from admm_dist import tasks
 from admm_dist.mas.collection import PRESCREEN_SALT, Collector, gather_json
@@ -84,7 +85,7 @@ def test_dpo_pairs_share_a_prompt_under_per_role_credit(runner):
         col = Collector(runner, "chain_arith", SEATS, group=6, credit=credit, seed=2)
         exs, _ = col.collect(items)
         f = fs.FitSet(exs, "sft", {"credit": credit})
-        pairs = fs.derive(f, "dpo")
+        pairs = derive(f, "dpo")
         assert pairs, credit
         assert all(p.target != p.rejected for p in pairs)
         if credit == "per_role":

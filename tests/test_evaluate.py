@@ -68,7 +68,7 @@ def test_accuracy_trajectories_json_and_repeatable(tmp_path, capsys):
 
 
 def test_adapter_vector_changes_outputs(tmp_path, capsys, base8):
-    from admm_dist.model.adapter import save_vector
+    from admm_dist.model.vectors import save_vector
     adapter, vec = random_vector(STANDIN, 0)
     save_vector(str(tmp_path / "run-last.safetensors"), vec, {"selection": "test"}, adapter=adapter)
     path = str(tmp_path / "t.jsonl")
@@ -128,7 +128,7 @@ def test_rows_a_training_report_lists_are_refused(tmp_path, capsys):
     assert rc == 2 and out == "" and "1 of 8 evaluation rows were training queries" in err
     assert evaluate(capsys, "--train_report", str(report), "--offset", "4", n=1)[0] == 0
     # found without --train_report: <report_dir>/<name>-train.json of the run next to the vector
-    from admm_dist.model.adapter import save_vector
+    from admm_dist.model.vectors import save_vector
     adapter, vec = random_vector(STANDIN, 0)
     save_vector(str(tmp_path / "run-last.safetensors"), vec, {}, adapter=adapter)
     write_state(tmp_path / "run", [(vec, vec)] * 4, local_only=False, report_dir=str(tmp_path / "reports"))
@@ -140,7 +140,7 @@ def test_rows_a_training_report_lists_are_refused(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def tiny_vector(tmp_path_factory):
-    from admm_dist.model.adapter import save_vector
+    from admm_dist.model.vectors import save_vector
     adapter, vec = random_vector(TINY, 0)
     path = str(tmp_path_factory.mktemp("tiny") / "tiny-last.safetensors")
     save_vector(path, vec, {}, adapter=adapter)
@@ -184,7 +184,7 @@ def test_module_entry_point_one_line_error(tmp_path):
 def test_a_copied_adapter_still_refuses_its_training_rows(tmp_path, capsys):
     """The trainer writes the anchor keys into the adapter file: a copy with no report near it
     keeps the leakage check."""
-    from admm_dist.model.adapter import save_vector
+    from admm_dist.model.vectors import save_vector
     rows = queries.pool("chain_arith", seed=42)[:8]
     adapter, vec = random_vector(STANDIN, 0)
     copy = tmp_path / "elsewhere" / "mine.safetensors"

@@ -3,9 +3,11 @@ import json
 
 import pytest
 
-from admm_dist.data.fitset import (
-    Example, FitSet, FitSetError, by_seat, dedup_targets, derive, drop_unclosed_think, load_fitset,
-    partition, save_fitset, settings_key, split_dev, target_composition, visible_text)
+from admm_dist.core.errors import UserError
+from admm_dist.core.text import visible
+from admm_dist.data.derive import dedup_targets, derive, drop_unclosed_think, target_composition
+from admm_dist.data.fitset import Example, FitSet, FitSetError, load_fitset, save_fitset, settings_key
+from admm_dist.data.partition import by_seat, partition, split_dev
 
 SETTINGS = {"task": "gsm8k", "n_agents": 4, "group": 8, "seed": 42, "fit_mode": "sft",
             "adapt_roles": "all"}
@@ -135,7 +137,7 @@ def test_derive_sft_rsft_dpo():
         derive(FitSet(examples=[sft(0, "q", "t")], fit_mode="sft", settings={}), "rsft")
 
 
-def test_drop_unclosed_think_and_visible_text():
+def test_drop_unclosed_think_and_visible():
     exs = [sft(0, "q", "<think>a</think> ok"),
            sft(0, "q", "<think>cut off"),
            sft(0, "q", "no think at all"),
@@ -144,8 +146,8 @@ def test_drop_unclosed_think_and_visible_text():
                    rejected="<think>bad")]
     kept, n = drop_unclosed_think(exs)
     assert n == 3 and [e.target for e in kept] == ["<think>a</think> ok", "no think at all"]
-    assert visible_text("<think>a</think>  B </think> C ") == "B </think> C"
-    assert visible_text("  plain ") == "plain"
+    assert visible("<think>a</think>  B </think> C ").strip() == "C"     # after the LAST one
+    assert visible("  plain ").strip() == "plain"
 
 
 def test_dedup_cap_keeps_highest_advantage():
@@ -164,6 +166,15 @@ def test_dedup_cap_keeps_highest_advantage():
     assert dedup_targets(exs, 1) == [exs[1], exs[2]]
     with pytest.raises(FitSetError):
         dedup_targets(exs, -1)
+
+
+def test_dedup_key_is_the_text_after_the_last_think_close():
+    exs = [sft(0, "q1", "<think>a</think> B </think> C ", advantage=0.9),
+           sft(0, "q2", "C", advantage=0.5),
+           sft(0, "q3", "<think>b</think> B </think> D", advantage=0.1)]
+    assert dedup_targets(exs, 1) == [exs[0], exs[2]]      # "C" == "C"; "D" differs
+    assert target_composition([exs])[0]["distinct"] == 2
+    assert issubclass(FitSetError, UserError) and issubclass(FitSetError, ValueError)
 
 
 def test_target_composition():

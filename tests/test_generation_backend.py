@@ -38,6 +38,56 @@ def test_without_vllm_both_commands_say_how_to_install_it(tmp_path):
                          "max_new_tokens=4", "lora_layers_last=1", "lora_rank=4", "k_outer=1", "local_steps=1",
                          "empty_nodes=prox", "generation_backend=vllm", f"out={tmp_path}/run",
                          f"report_dir={tmp_path}/rep"], capture_output=True, text=True, timeout=300)
-    assert tr.returncode == 1, tr.stderr[-2000:]
+    assert tr.returncode == 2, tr.stderr[-2000:]   # a VLLMBackendError is a UserError: exit code 2
     err = [line for line in tr.stderr.splitlines() if line.strip()]
     assert len(err) == 1 and "generation_backend=vllm needs vLLM" in err[0]
+
+
+def test_vllm_backend_errors_are_user_errors():
+    from admm_dist.core.errors import UserError
+    from admm_dist.mas.vllm_backend import VLLMBackendError
+
+    assert issubclass(VLLMBackendError, UserError) and issubclass(VLLMBackendError, ValueError)
+
+
+def test_the_vllm_backend_owns_its_work_folder(tmp_path, monkeypatch):
+    """workdir=None: a temporary folder of the backend's own, gone after close() and after a
+    failed start; a folder the caller passes is the caller's (a fake vLLM: no engine starts)."""
+    import os
+    import tempfile
+    import types
+
+    from admm_dist.mas import vllm_backend as vb
+
+    class LLM:
+        fail = False
+
+        def __init__(self, *args, **kw):
+            if LLM.fail:
+                raise RuntimeError("no engine here")
+            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=lambda: None))
+
+    fake = types.SimpleNamespace(LLM=LLM, SamplingParams=None, TokensPrompt=None, LoRARequest=None,
+                                 platform=types.SimpleNamespace(is_cpu=lambda: True), version="fake")
+    monkeypatch.setattr(vb, "_import_vllm", lambda: fake)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    tok = types.SimpleNamespace(eos_token_id=2, get_vocab=dict)
+    ours = lambda: [p for p in os.listdir(tmp) if p.startswith("admm_dist-vllm-")]  # noqa: E731
+
+    be = vb.VLLMBackend(str(standin.DEFAULT_DIR), tok)
+    assert [os.path.join(tmp, p) for p in ours()] == [be.workdir]
+    be.close()
+    be.close()
+    assert ours() == []
+    mine = tmp_path / "mine"
+    vb.VLLMBackend(str(standin.DEFAULT_DIR), tok, workdir=str(mine)).close()
+    assert mine.is_dir()
+    LLM.fail = True
+    with pytest.raises(vb.VLLMBackendError, match="could not start an engine"):
+        vb.VLLMBackend(str(standin.DEFAULT_DIR), tok)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(vb.VLLMBackendError, match="config.json missing"):
+        vb.VLLMBackend(str(tmp_path / "empty"), tok)
+    assert ours() == []

@@ -6,6 +6,10 @@ import math
 import pytest
 import torch
 
+from admm_dist.core.errors import UserError
+from admm_dist.core.text import visible
+from admm_dist.data import sampler as S
+from admm_dist.model import batches as B
 from admm_dist.model import objectives as O
 from admm_dist.testing.tiny import char_tokenizer, tiny_qwen3
 
@@ -112,6 +116,8 @@ def test_config_validation_names_the_fix():
         O.ObjectiveConfig(dpo_beta=0.0)
     with pytest.raises(ValueError, match="raise max_prompt_tokens"):
         O.ObjectiveConfig(max_prompt_tokens=0)
+    with pytest.raises(UserError, match="kl_beta"):     # a one-line user error, exit code 2
+        O.ObjectiveConfig(kl_beta=-1.0)
 
 
 def test_encode_truncation_and_visible_mask(tok):
@@ -124,7 +130,7 @@ def test_encode_truncation_and_visible_mask(tok):
         Example(seat=0, role="P", anchor="c", prompt=prompt, target="<think>long thoughts</think>x"),
         Example(seat=0, role="P", anchor="d", prompt=prompt, target=""),
     ]
-    enc = O.encode(tok, exs, O.ObjectiveConfig(fit_mode="sft", target_span="visible",
+    enc = B.encode(tok, exs, O.ObjectiveConfig(fit_mode="sft", target_span="visible",
                                                max_prompt_tokens=7, max_target_tokens=6))
     # the third target is cut inside its think block (no visible token left), the fourth is empty
     assert [e.example_index for e in enc] == [0, 1]
@@ -139,14 +145,22 @@ def test_encode_truncation_and_visible_mask(tok):
     assert enc[0].target_mask == [0, 0, 0, 0, 1, 1]
     # no </think>: every token counts; right truncation keeps the first 6 tokens
     assert enc[1].target_mask == [1] * 5
-    long = O.encode(tok, [Example(seat=0, role="P", anchor="e", prompt=prompt,
+    long = B.encode(tok, [Example(seat=0, role="P", anchor="e", prompt=prompt,
                                   target="abcdefghij")],
                     O.ObjectiveConfig(fit_mode="sft", max_target_tokens=6))
     assert long[0].target_ids == ids(tok, "abcdef") and long[0].target_mask == [1] * 6
     assert long.stats["target_truncated"] == 1 and long.stats["prompt_truncated"] == 0
     # full span scores the think block too
-    full = O.encode(tok, exs[:1], O.ObjectiveConfig(fit_mode="sft"))
+    full = B.encode(tok, exs[:1], O.ObjectiveConfig(fit_mode="sft"))
     assert full[0].target_mask == [1] * 6 and full[0].prompt_ids == p_ids
+    # two </think>: the visible span starts after the LAST one, as in admm_dist.core.text.visible
+    two = "<think>a</think>b</think>cd"
+    enc2 = B.encode(tok, [Example(seat=0, role="P", anchor="f", prompt=prompt, target=two)],
+                    O.ObjectiveConfig(fit_mode="sft", target_span="visible"))
+    assert enc2[0].target_ids == ids(tok, two) and len(enc2[0].target_ids) == 7
+    assert enc2[0].target_mask == [0, 0, 0, 0, 0, 1, 1]
+    assert tok.decode([t for t, m in zip(enc2[0].target_ids, enc2[0].target_mask) if m]) \
+        == visible(two)
 
 
 def test_encode_dpo_and_rsft(tok):
@@ -155,19 +169,19 @@ def test_encode_dpo_and_rsft(tok):
                    rejected="bad", rejected_prompt=p2)
     same = Example(seat=1, role="Critic", anchor="b", prompt=p1, target="ok", rejected="ko")
     empty = Example(seat=1, role="Critic", anchor="c", prompt=p1, target="ok", rejected="")
-    enc = O.encode(tok, [pair, same, empty], O.ObjectiveConfig(fit_mode="dpo"))
+    enc = B.encode(tok, [pair, same, empty], O.ObjectiveConfig(fit_mode="dpo"))
     assert len(enc) == 2 and enc.stats["skipped_empty_rejected"] == 1
     assert enc[0].prompt_ids == ids(tok, p1) and enc[0].rejected_prompt_ids == ids(tok, p2)
     assert enc[1].rejected_prompt_ids == enc[1].prompt_ids
     assert enc[0].target_ids == ids(tok, "good") and enc[0].rejected_ids == ids(tok, "bad")
     with pytest.raises(ValueError, match="rejected message"):
-        O.encode(tok, [Example(seat=0, role="P", anchor="x", prompt=p1, target="t")],
+        B.encode(tok, [Example(seat=0, role="P", anchor="x", prompt=p1, target="t")],
                  O.ObjectiveConfig(fit_mode="dpo"))
     sft = [Example(seat=0, role="P", anchor=str(i), prompt=p1, target="t", success=s)
            for i, s in enumerate([True, False, None])]
-    rs = O.encode(tok, sft, O.ObjectiveConfig(fit_mode="rsft"))
+    rs = B.encode(tok, sft, O.ObjectiveConfig(fit_mode="rsft"))
     assert [e.example_index for e in rs] == [0] and rs.stats["skipped_not_successful"] == 2
-    assert not rs[0].paired and len(O.encode(tok, sft, O.ObjectiveConfig(fit_mode="sft"))) == 3
+    assert not rs[0].paired and len(B.encode(tok, sft, O.ObjectiveConfig(fit_mode="sft"))) == 3
 
 
 # ----------------------------------------------------------------------------- log-probs
@@ -188,8 +202,8 @@ def test_token_logps_matches_naive_per_sequence(tok):
                    rejected="r" * (2 + 3 * i), rejected_prompt=chat(tok, "z" * (7 - 2 * i)))
            for i in range(3)]
     for span in ("full", "visible"):
-        enc = O.encode(tok, exs, O.ObjectiveConfig(fit_mode="dpo", target_span=span))
-        batch = O.collate(enc, tok.pad_token_id)
+        enc = B.encode(tok, exs, O.ObjectiveConfig(fit_mode="dpo", target_span=span))
+        batch = B.collate(enc, tok.pad_token_id)
         assert batch.n_rows == 6 and batch.paired
         assert (batch.attention_mask.sum(1) < batch.attention_mask.shape[1]).any()  # padded
         with torch.no_grad():
@@ -210,11 +224,11 @@ def test_chosen_and_rejected_in_one_forward(tok):
     seen = []
     decoder(model).register_forward_pre_hook(
         lambda mod, args, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
-    enc = O.encode(tok, pref_set(tok, 4), O.ObjectiveConfig())
+    enc = B.encode(tok, pref_set(tok, 4), O.ObjectiveConfig())
     O.precompute_reference(model, enc, batch_size=4, ref_context=counter.ref_context,
                            pad_id=tok.pad_token_id)
     assert counter.ref == 1 and counter.policy == 0
-    batch = O.collate(enc, tok.pad_token_id)
+    batch = B.collate(enc, tok.pad_token_id)
     seen.clear()
     loss, _ = O.loss(model, batch, O.ObjectiveConfig())
     loss.backward()
@@ -227,10 +241,10 @@ def test_at_zero_b_kl_is_zero_and_dpo_is_log2(tok):
     model = make_model(tok)  # PEFT initialises lora_B to 0: policy == reference
     assert all((p == 0).all() for p in lora_b(model))
     cfg = O.ObjectiveConfig(kl_beta=0.5)
-    enc = O.encode(tok, pref_set(tok, 6), cfg)
+    enc = B.encode(tok, pref_set(tok, 6), cfg)
     O.precompute_reference(model, enc, batch_size=6, ref_context=model.disable_adapter,
                            pad_id=tok.pad_token_id)
-    loss, m = O.loss(model, O.collate(enc, tok.pad_token_id), cfg)
+    loss, m = O.loss(model, B.collate(enc, tok.pad_token_id), cfg)
     assert m["kl"] == 0.0 and m["margin"] == 0.0 and m["pref_acc"] == 0.0
     assert m["dpo_loss"] == pytest.approx(math.log(2), abs=1e-7)
     assert loss.item() == pytest.approx(math.log(2), abs=1e-7)
@@ -241,17 +255,21 @@ def test_sft_loss_is_token_nll_plus_kl(tok):
     exs = [Example(seat=0, role="P", anchor=str(i), prompt=chat(tok, f"Q{i}"),
                    target="ans" * (i + 1), success=True) for i in range(3)]
     cfg0 = O.ObjectiveConfig(fit_mode="rsft", kl_beta=0.0)
-    enc = O.encode(tok, exs, cfg0)
-    batch = O.collate(enc, tok.pad_token_id)
+    enc = B.encode(tok, exs, cfg0)
+    batch = B.collate(enc, tok.pad_token_id)
     loss, m = O.loss(model, batch, cfg0)
     want = -torch.cat([naive_logps(model, e.prompt_ids, e.target_ids) for e in enc]).mean()
     assert loss.item() == pytest.approx(float(want), abs=1e-5) and "kl" not in m
     assert O.nll(model, [batch]) == pytest.approx(float(want), abs=1e-5)
+    tot, cnt = O.nll_sum(model, enc, 2, tok.pad_token_id)      # two batches: 2 + 1 records
+    assert cnt == sum(len(e.target_ids) for e in enc)
+    assert tot / cnt == pytest.approx(float(want), abs=1e-5)
+    assert O.nll_sum(model, [], 2, tok.pad_token_id) == (0.0, 0.0)
     with pytest.raises(ValueError, match="precompute_reference"):
         O.loss(model, batch, O.ObjectiveConfig(fit_mode="sft", kl_beta=0.1))
     O.precompute_reference(model, enc, batch_size=2, ref_context=model.disable_adapter)
     cfg = O.ObjectiveConfig(fit_mode="sft", kl_beta=0.1)
-    loss, m = O.loss(model, O.collate(enc, tok.pad_token_id), cfg)
+    loss, m = O.loss(model, B.collate(enc, tok.pad_token_id), cfg)
     assert m["kl"] > 0 and loss.item() == pytest.approx(m["nll"] + 0.1 * m["kl"], rel=1e-6)
     with pytest.raises(ValueError, match="same fit_mode"):
         O.loss(model, batch, O.ObjectiveConfig(fit_mode="dpo"))
@@ -262,20 +280,20 @@ def test_dpo_training_learns_preferences_and_reference_is_computed_once(tok):
     model = make_model(tok)
     counter = ForwardCounter(model)
     cfg = O.ObjectiveConfig(dpo_beta=0.5, kl_beta=0.05)
-    enc = O.encode(tok, pref_set(tok, 8), cfg)
+    enc = B.encode(tok, pref_set(tok, 8), cfg)
     assert O.precompute_reference(model, enc, batch_size=3, ref_context=counter.ref_context,
                                   pad_id=tok.pad_token_id) == 8
     assert counter.ref == 3  # ceil(8 / 3) batches, each one forward
     frozen = [(e.ref_logps.clone(), e.rejected_ref_logps.clone()) for e in enc]
 
     opt = torch.optim.Adam(lora_b(model), lr=2e-2)
-    sampler = O.RoleBalancedSampler(enc, 4, seed=0)
-    batch_all = O.collate(enc, tok.pad_token_id)
+    sampler = S.RoleBalancedSampler(enc, 4, seed=0)
+    batch_all = B.collate(enc, tok.pad_token_id)
     with torch.no_grad():
         _, before = O.loss(model, batch_all, cfg)
     model.train()
     for _ in range(12):
-        batch = O.collate([enc[i] for i in sampler.next_batch()], tok.pad_token_id)
+        batch = B.collate([enc[i] for i in sampler.next_batch()], tok.pad_token_id)
         loss, _ = O.loss(model, batch, cfg)
         opt.zero_grad()
         loss.backward()
@@ -309,44 +327,44 @@ def roles_list(spec):
 def test_sampler_balances_roles_per_batch():
     items = roles_list([("Planner", 10), ("Critic", 3), ("Judger", 2)])
     role = [e.role for e in items]
-    s = O.RoleBalancedSampler(items, 6, seed=1)
+    s = S.RoleBalancedSampler(items, 6, seed=1)
     for _ in range(20):
         batch = s.next_batch()
         assert len(batch) == 6
         assert sorted(role[i] for i in batch) == sorted(["Critic", "Judger", "Planner"] * 2)
     # 4 = 3 * 1 + 1: the extra slot rotates, so 3 consecutive batches hold 4 of each role
-    s = O.RoleBalancedSampler(items, 4, seed=1)
+    s = S.RoleBalancedSampler(items, 4, seed=1)
     for _ in range(5):
         got = [role[i] for _ in range(3) for i in s.next_batch()]
         assert all(got.count(r) == 4 for r in ("Planner", "Critic", "Judger"))
     # within a role: without replacement inside an epoch (Planner: 10 examples, 2 per batch)
-    s = O.RoleBalancedSampler(items, 6, seed=2)
+    s = S.RoleBalancedSampler(items, 6, seed=2)
     planner = [i for _ in range(5) for i in s.next_batch() if role[i] == "Planner"]
     assert sorted(planner) == list(range(10))
 
 
 def test_sampler_uniform_epochs_when_unbalanced_or_single_role():
     items = roles_list([("A", 7), ("B", 3)])
-    for s in (O.RoleBalancedSampler(items, 5, seed=3, balance=False),
-              O.RoleBalancedSampler(roles_list([("A", 10)]), 5, seed=3)):
+    for s in (S.RoleBalancedSampler(items, 5, seed=3, balance=False),
+              S.RoleBalancedSampler(roles_list([("A", 10)]), 5, seed=3)):
         first, second = s.next_batch() + s.next_batch(), s.next_batch() + s.next_batch()
         assert sorted(first) == sorted(second) == list(range(10)) and first != second
 
 
 def test_sampler_deterministic_and_resumable():
     items = roles_list([("Planner", 9), ("Critic", 4), ("Refiner", 5)])
-    a, b = O.RoleBalancedSampler(items, 5, seed=7), O.RoleBalancedSampler(items, 5, seed=7)
+    a, b = S.RoleBalancedSampler(items, 5, seed=7), S.RoleBalancedSampler(items, 5, seed=7)
     assert [a.next_batch() for _ in range(10)] == [b.next_batch() for _ in range(10)]
-    c = O.RoleBalancedSampler(items, 5, seed=8)
-    assert [c.next_batch() for _ in range(10)] != [O.RoleBalancedSampler(items, 5, seed=7)
+    c = S.RoleBalancedSampler(items, 5, seed=8)
+    assert [c.next_batch() for _ in range(10)] != [S.RoleBalancedSampler(items, 5, seed=7)
                                                    .next_batch() for _ in range(10)]
     state = json.loads(json.dumps(a.state_dict()))      # JSON-safe
     tail = [a.next_batch() for _ in range(15)]
-    resumed = O.RoleBalancedSampler(items, 5, seed=7)
+    resumed = S.RoleBalancedSampler(items, 5, seed=7)
     resumed.load_state_dict(state)
     assert [resumed.next_batch() for _ in range(15)] == tail
     assert resumed.batches_drawn == 25
     with pytest.raises(ValueError, match="same examples, batch_size, seed"):
-        O.RoleBalancedSampler(items, 4, seed=7).load_state_dict(state)
+        S.RoleBalancedSampler(items, 4, seed=7).load_state_dict(state)
     with pytest.raises(ValueError, match="same examples"):
-        O.RoleBalancedSampler(items[1:], 5, seed=7).load_state_dict(state)
+        S.RoleBalancedSampler(items[1:], 5, seed=7).load_state_dict(state)

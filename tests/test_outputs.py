@@ -55,7 +55,7 @@ def test_a_fresh_run_never_mixes_with_the_run_already_in_out(assets, tmp_path, c
     assert _run(capsys, assets, tmp_path)[0] == 0
     before = _snapshot(tmp_path)
     rc, err = _run(capsys, assets, tmp_path, rho=0.5)    # another run, same out, resume=never
-    assert rc == 1 and len(err) == 1
+    assert rc == 2 and len(err) == 1
     assert "already holds a run" in err[0] and "resume=auto" in err[0] and "overwrite=true" in err[0]
     assert _snapshot(tmp_path) == before                   # nothing touched
     # asked to: the old checkpoints go at once, the results when the new ones replace them
@@ -73,7 +73,7 @@ def test_resume_refuses_a_checkpoint_past_k_outer(assets, tmp_path, capsys):
     assert _run(capsys, assets, tmp_path, k_outer=3)[0] == 0
     before = _snapshot(tmp_path)
     rc, err = _run(capsys, assets, tmp_path, k_outer=2, resume="auto")
-    assert rc == 1 and len(err) == 1 and "reach round 3, beyond k_outer=2" in err[0] and "k_outer=3" in err[0]
+    assert rc == 2 and len(err) == 1 and "reach round 3, beyond k_outer=2" in err[0] and "k_outer=3" in err[0]
     assert _snapshot(tmp_path) == before
 
 
@@ -88,7 +88,7 @@ def test_the_fingerprint_follows_the_fit_sets_content_not_its_path(assets, tmp_p
     save_fitset(path, swapped, fit_mode=f.fit_mode, settings=f.settings, anchor_keys=f.anchor_keys)
     before = _snapshot(tmp_path)
     rc, err = _run(capsys, assets, tmp_path, fitset_cache=path, k_outer=3, resume="auto")
-    assert rc == 1 and len(err) == 1 and "written by another run" in err[0]
+    assert rc == 2 and len(err) == 1 and "written by another run" in err[0]
     assert _snapshot(tmp_path) == before
     # the original content at the same path resumes
     save_fitset(path, f.examples, fit_mode=f.fit_mode, settings=f.settings, anchor_keys=f.anchor_keys)
@@ -100,11 +100,11 @@ def test_refused_and_diverged_runs_keep_the_earlier_result_and_report(assets, tm
     last, report = tmp_path / "runs" / "run-last.safetensors", tmp_path / "reports" / "run-train.json"
     good = (_bytes(last), _bytes(report))
     rc, err = _run(capsys, assets, tmp_path, eta=1e8, grad_clip=1e8, overwrite="true")
-    assert rc == 1 and len(err) == 1, err
+    assert rc == 2 and len(err) == 1, err
     assert ("diverged" in err[0] and "max_delta_w_rel" in err[0]) or "non-finite" in err[0], err
     assert (_bytes(last), _bytes(report)) == good
     rc, err = _run(capsys, assets, tmp_path, eta=1e-13, k_outer=1, local_steps=1, overwrite="true")
-    assert rc == 1 and "did not move" in err[0] and "earlier result in out= is kept" in err[0]
+    assert rc == 2 and "did not move" in err[0] and "earlier result in out= is kept" in err[0]
     assert (_bytes(last), _bytes(report)) == good
     assert os.path.exists(tmp_path / "reports" / "run-train-refused.json")
 
@@ -124,7 +124,7 @@ def test_bad_output_paths_fail_before_any_work_in_one_line(assets, tmp_path, cap
     for kw in (dict(report_dir=str(blocker / "reports")), dict(out=str(blocker / "run")),
                dict(out=str(blocker))):
         rc, err = _run(capsys, assets, tmp_path, **kw)
-        assert rc == 1 and len(err) == 1, err
+        assert rc == 2 and len(err) == 1, err
         assert "a_file" in err[0] and ("report_dir=" in err[0] or "out=" in err[0]), err
     assert not os.path.exists(tmp_path / "runs")           # nothing trained, nothing written
     # a read-only filesystem (root ignores permission bits, not a read-only mount)
@@ -132,7 +132,7 @@ def test_bad_output_paths_fail_before_any_work_in_one_line(assets, tmp_path, cap
                if " ro," in f" {line.split()[3]}," and os.path.isdir(line.split()[1])), None)
     if ro is not None:
         rc, err = _run(capsys, assets, tmp_path, out=os.path.join(ro, "run"))
-        assert rc == 1 and len(err) == 1 and "read-only" in err[0], err
+        assert rc == 2 and len(err) == 1 and "read-only" in err[0], err
 
 
 def test_files_get_the_umask_s_mode(assets, tmp_path, capsys):
@@ -165,7 +165,7 @@ def test_examples_outside_the_chain_are_an_error(assets, tmp_path, capsys):
     save_fitset(path, f.examples + [dataclasses.replace(f.examples[0], seat=7)], fit_mode=f.fit_mode,
                 settings=f.settings, anchor_keys=f.anchor_keys)
     rc, err = _run(capsys, assets, tmp_path, fitset_cache=path)
-    assert rc == 1 and len(err) == 1 and "seat(s) [7]" in err[0] and "n_agents=3" in err[0]
+    assert rc == 2 and len(err) == 1 and "seat(s) [7]" in err[0] and "n_agents=3" in err[0]
 
 
 def test_prune_keeps_other_runs_checkpoints():

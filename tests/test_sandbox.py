@@ -14,13 +14,15 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import threading
 import time
 import zlib
 
 import pytest
 
-from admm_dist.tasks import sandbox, scoring
+from admm_dist.core.errors import RunError
+from admm_dist.tasks import bubblewrap, sandbox, scoring
 from admm_dist.tasks.sandbox import SandboxUnavailable, run_python
 from procs import subreaper
 
@@ -258,9 +260,9 @@ def test_a_fork_bomb_is_limited_and_ends_with_its_timeout():
 
 
 @needs_bwrap
-@pytest.mark.skipif(sandbox._seccomp_filter() is None, reason="no seccomp filter on this machine")
+@pytest.mark.skipif(bubblewrap.seccomp_filter() is None, reason="no seccomp filter on this machine")
 def test_no_nested_namespaces_no_vsock_no_memfd():
-    nr = sandbox._CLONE[0 if os.uname().machine in ("x86_64", "amd64") else 1]
+    nr = bubblewrap.CLONE_NR[0 if os.uname().machine in ("x86_64", "amd64") else 1]
     r = run("import ctypes, os, socket\n"
             "libc = ctypes.CDLL(None, use_errno=True)\n"
             "for flag in (0x10000000, 0x20000, 0x40000000):  # CLONE_NEWUSER, NEWNS, NEWNET\n"
@@ -290,6 +292,7 @@ def test_refuses_without_a_sandbox(monkeypatch):
     msg = str(exc.value)
     assert "\n" not in msg and "apt-get install bubblewrap" in msg
     assert isinstance(exc.value, OSError)  # so the CLIs print it as one line
+    assert isinstance(exc.value, RunError) and isinstance(exc.value, RuntimeError)
     with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
         scoring.score("```python\nprint(1)\n```", "assert True", "code")  # no silent "wrong"
     monkeypatch.setenv(sandbox.ENV_VAR, "sometimes")
@@ -327,9 +330,12 @@ def test_a_bwrap_that_cannot_start_is_detected_once(tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- a non-root caller
 NOBODY_CHECK = r'''
-import ctypes, importlib.util, json, os, sys
-spec = importlib.util.spec_from_file_location("sb", sys.argv[1])
-sb = importlib.util.module_from_spec(spec); sys.modules["sb"] = sb; spec.loader.exec_module(sb)
+import ctypes, json, os, sys, types
+for name in ("admm_dist", "admm_dist.core", "admm_dist.tasks"):  # the packages, not their faces
+    pkg = types.ModuleType(name)
+    pkg.__path__ = [os.path.join(sys.argv[1], *name.split("."))]
+    sys.modules[name] = pkg
+import admm_dist.tasks.sandbox as sb
 out = {"uid": os.getuid(), "describe": sb.describe()}
 r = sb.run_python("import os, time\nn = 0\nfor _ in range(2000):\n    try:\n        pid = os.fork()\n"
                   "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n"
@@ -370,12 +376,12 @@ def test_a_non_root_caller_gets_a_user_namespace_and_may_opt_out():
         os.setgid(sandbox.SANDBOX_GID)
         os.setuid(sandbox.SANDBOX_UID)
 
-    src = os.path.abspath(sandbox.__file__)
-    if not os.access(src, os.R_OK) or os.stat(src).st_mode & stat.S_IROTH == 0:
-        pytest.skip("the sandbox module is not readable by nobody here")
-    p = subprocess.run(["/usr/bin/python3", "-I", "-c", NOBODY_CHECK, src], preexec_fn=become_nobody,
+    srcs = [os.path.abspath(m.__file__) for m in (sandbox, bubblewrap, sys.modules[RunError.__module__])]
+    if any(not os.access(src, os.R_OK) or os.stat(src).st_mode & stat.S_IROTH == 0 for src in srcs):
+        pytest.skip("the sandbox modules are not readable by nobody here")
+    p = subprocess.run(["/usr/bin/python3", "-I", "-c", NOBODY_CHECK, REPO], preexec_fn=become_nobody,
                        cwd="/", env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
-    if p.returncode and "Permission denied" in p.stderr and src in p.stderr:
+    if p.returncode and "Permission denied" in p.stderr and REPO in p.stderr:
         pytest.skip("the sandbox module's folder is not reachable by nobody here")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)

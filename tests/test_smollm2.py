@@ -76,7 +76,8 @@ def test_demo_collects_trains_on_four_ranks_exports_peft_and_evaluates_the_adapt
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA, load_vector
+    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
+    from admm_dist.model.vectors import load_vector
     tok = AutoTokenizer.from_pretrained(smollm2)
     ids = tok("What is 7 times 3?", return_tensors="pt")["input_ids"]
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2), str(tmp_path / "run-last-peft"))

@@ -24,7 +24,7 @@ def test_training_chain_follows_each_seats_input_even_a_wrong_one():
         for seat, hist, target in chain:
             assert len(hist) == seat
             src = item["start"] if seat == 0 else int(extract_number(hist[-1]))
-            want = src if seat == 3 else standin._apply(src, item["ops"][seat][0], int(item["ops"][seat][1:]))
+            want = src if seat == 3 else standin.apply_op(src, item["ops"][seat][0], int(item["ops"][seat][1:]))
             assert int(extract_number(target)) == want   # correct given what it read
         # exactly one upstream message was corrupted: the final answer is wrong
         assert extract_number(chain[-1][2]) != item["gold"]

@@ -3,7 +3,7 @@ import pytest
 
 from admm_dist import tasks
 from admm_dist.tasks.scoring import extract_number, score
-from admm_dist.tasks.chain_arith import _apply, split_of
+from admm_dist.tasks.chain_arith import apply_op, split_of
 
 
 def test_registry_resolves_and_rejects_names():
@@ -28,7 +28,7 @@ def test_every_seat_does_real_work():
     for it in items:
         value = it["start"]
         for op, step in zip(it["ops"], it["steps"]):
-            new = _apply(value, op[0], int(op[1:]))
+            new = apply_op(value, op[0], int(op[1:]))
             assert new == step and new != value  # no identity step: copying is wrong
             value = new
         assert it["gold"] == str(value)
@@ -37,7 +37,7 @@ def test_every_seat_does_real_work():
             v = it["start"]
             for k, op in enumerate(it["ops"]):
                 if k != skip:
-                    v = _apply(v, op[0], int(op[1:]))
+                    v = apply_op(v, op[0], int(op[1:]))
             assert str(v) != it["gold"], it
 
 

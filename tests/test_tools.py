@@ -6,6 +6,7 @@ import os
 import pytest
 
 from admm_dist.data import fitset as fs
+from admm_dist.data.derive import derive
 from admm_dist.mas import judge as J
 from admm_dist.mas.evaluation import main as evaluate
 from admm_dist.cli.build_fitset import main as build_fitset
@@ -55,7 +56,7 @@ def test_build_fitset_round_trips_trajectories(tmp_path, arith, capsys):
     assert [(e.seat, e.anchor, e.prompt, e.target, e.success) for e in f.examples] == want
     assert all(e.reward == (1.0 if e.success else 0.0) and e.role == ["Planner", "Critic", "Refiner"][e.seat]
                for e in f.examples)
-    assert fs.derive(f, "rsft") == [e for e in f.examples if e.success]
+    assert derive(f, "rsft") == [e for e in f.examples if e.success]
 
 
 def test_fit_prompt_rerenders_prompts_keeping_targets(tmp_path, arith):
@@ -152,7 +153,8 @@ def test_train_with_reward_judge_on_stored_trajectories(tmp_path, harm):
     """The seed's safety path: trajectories -> build_fitset -> judge_fitset -> train --reward judge."""
     from admm_dist.engine.dist import distributed, read_env
     from admm_dist.training.config import TrainConfig
-    from admm_dist.training.trainer import Trainer, TrainError
+    from admm_dist.core.errors import UserError
+    from admm_dist.training.trainer import Trainer
 
     built, judged = str(tmp_path / "fs.jsonl"), str(tmp_path / "judged.jsonl")
     assert build_fitset(["--trajectories", str(harm / "t.jsonl"), "--out", built]) == 0
@@ -166,7 +168,7 @@ def test_train_with_reward_judge_on_stored_trajectories(tmp_path, harm):
                           report_dir=str(tmp_path / "rep"), quiet=True, **kw)
         with distributed("cpu", env=read_env({})) as ctx:
             return Trainer(cfg, ctx).train()
-    with pytest.raises(TrainError, match="judge_fitset"):
+    with pytest.raises(UserError, match="judge_fitset"):
         run(built)
     rep = run(judged)
     assert rep["fitset_provenance"] == "file" and rep["fitset_settings"]["judge_fingerprint"]

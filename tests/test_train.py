@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from admm_dist.engine.launcher import launch_cpu
 from admm_dist.training.config import TrainConfig
 from admm_dist.testing.synthetic import write_fitset
+from admm_dist.testing import faults
 from admm_dist.testing.tiny import save_tiny_backbone
 from admm_dist.training.trainer import Trainer
 
@@ -119,7 +120,8 @@ def test_dpo_loss_falls_and_the_exported_peft_adapter_reproduces_logits(assets, 
     base = AutoModelForCausalLM.from_pretrained(assets["backbone"])
     ids = torch.tensor([[5, 9, 17, 33, 2, 40, 41]])
     peft = PeftModel.from_pretrained(base, cfg.out + "-last-peft").eval()
-    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA, load_vector
+    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
+    from admm_dist.model.vectors import load_vector
 
     ad = BOnlyLoRA(AutoModelForCausalLM.from_pretrained(assets["backbone"]),
                    AdapterConfig(lora_rank=4, lora_alpha=8.0, lora_layers_last=2, lora_basis_seed=42))
@@ -129,8 +131,11 @@ def test_dpo_loss_falls_and_the_exported_peft_adapter_reproduces_logits(assets, 
         assert torch.allclose(peft(ids).logits, ad.model.eval()(ids).logits, atol=1e-5)
 
 
-def _torchrun(args, nproc, timeout=240, restarts=0):
+def _torchrun(args, nproc, timeout=240, restarts=0, fault=None):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env.pop(faults.ENV, None)
+    if fault:
+        env[faults.ENV] = fault
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(nproc), "--max-restarts", str(restarts), "-m", "admm_dist.train"] + args
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -145,7 +150,7 @@ def _args(assets, out, **kw):
 def test_killed_rank_resumes_bit_for_bit(assets, tmp_path):
     clean = _torchrun(_args(assets, tmp_path / "clean"), N)
     assert clean.returncode == 0, clean.stderr[-3000:]
-    hurt = _torchrun(_args(assets, tmp_path / "hurt", fault_at="2:1", resume="auto"), N, restarts=1)
+    hurt = _torchrun(_args(assets, tmp_path / "hurt", resume="auto"), N, restarts=1, fault="2:1")
     assert hurt.returncode == 0, hurt.stderr[-3000:]
     a = load_file(str(tmp_path / "clean" / "run-last.safetensors"))["b"]
     b = load_file(str(tmp_path / "hurt" / "run-last.safetensors"))["b"]
@@ -170,7 +175,7 @@ def test_world_size_must_equal_the_number_of_nodes(assets, tmp_path):
 
 
 def test_non_finite_loss_stops_every_rank_with_round_and_node(assets, tmp_path):
-    p = _torchrun(_args(assets, tmp_path, fault_at="nan@2:1"), N)
+    p = _torchrun(_args(assets, tmp_path), N, fault="nan@2:1")
     assert p.returncode != 0
     errs = [l for l in p.stderr.splitlines() if "admm_dist.train: error" in l]
     # every rank that got to report names the same round and node (the agent may stop
@@ -191,20 +196,20 @@ def test_bad_fitsets_and_checkpoints_are_one_clear_line(assets, tmp_path):
 
     # missing file
     rc, out = run(fitset_cache=str(tmp_path / "missing.jsonl"))
-    assert rc == 1 and not os.path.exists(str(out / "run-last.safetensors"))
+    assert rc == 2 and not os.path.exists(str(out / "run-last.safetensors"))
     # corrupt file
     bad = tmp_path / "corrupt.jsonl"
     bad.write_text('{"format": "admm_dist.data.fitset", "version": 1\n{not json')
-    assert run(fitset_cache=str(bad))[0] == 1
+    assert run(fitset_cache=str(bad))[0] == 2
     # built under other settings
     other = write_fitset(str(tmp_path / "other.jsonl"), per_seat=16,
                          settings=dict(assets["settings"], n_agents=4))
-    assert run(fitset_cache=other)[0] == 1
+    assert run(fitset_cache=other)[0] == 2
     # a checkpoint from another configuration
     rc, out = run(k_outer=2)
     assert rc == 0
     rc, _ = run(k_outer=3, resume="auto", rho=0.5)
-    assert rc == 1
+    assert rc == 2
 
 
 def test_bad_input_messages(assets, tmp_path, capsys):
@@ -230,7 +235,7 @@ def test_an_adapter_that_did_not_move_is_not_written(assets, tmp_path, capsys):
 
     rc = train.main(_args(assets, tmp_path, eta=1e-13, k_outer=1, local_steps=1))
     err = [l for l in capsys.readouterr().err.splitlines() if "error" in l]
-    assert rc == 1 and "did not move" in err[0]
+    assert rc == 2 and "did not move" in err[0]
     assert not os.path.exists(tmp_path / "run-last.safetensors")
     rep = json.loads((tmp_path / "reports" / "run-train-refused.json").read_text())   # beside, not over
     assert rep["delta_w_rel"] < 1e-6 and not os.path.exists(tmp_path / "reports" / "run-train.json")
@@ -330,7 +335,7 @@ def test_an_example_longer_than_the_backbone_positions_names_the_lengths(assets,
 
     short = save_tiny_backbone(str(tmp_path / "short"), seed=1, hidden=32, layers=2, heads=2, max_positions=24)
     capsys.readouterr()
-    assert train.main(_args(assets, tmp_path, model_name=short)) == 1
+    assert train.main(_args(assets, tmp_path, model_name=short)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has 24 positions (max_position_embeddings): lower max_prompt_tokens" in err[0]
     assert train.main(_args(assets, tmp_path / "ok", model_name=short, max_prompt_tokens=8,

@@ -11,7 +11,9 @@ from admm_dist.testing import standin
 from admm_dist.data.fitset import load_fitset
 from admm_dist.engine.launcher import launch_cpu
 from admm_dist.training.config import TrainConfig
-from admm_dist.training.trainer import Trainer, TrainError
+from admm_dist.core.errors import UserError
+from admm_dist.testing import faults
+from admm_dist.training.trainer import Trainer
 
 
 def _cfg(tmp, **kw):
@@ -50,7 +52,7 @@ def test_recollection_takes_fresh_queries_and_the_cache_is_keyed(tmp_path):
     rep2 = _local(_cfg(tmp_path / "again", fitset_cache=str(cache)))
     assert rep2["fitset_provenance"] == "file" and "collections" not in rep2
     # a cache built under other collection settings is refused, naming the key
-    with pytest.raises(TrainError, match="group"):
+    with pytest.raises(UserError, match="group"):
         _local(_cfg(tmp_path / "other", fitset_cache=str(cache), group=5))
 
 
@@ -71,21 +73,24 @@ def test_four_gloo_ranks_collect_and_train_like_one_process(tmp_path):
 
 
 def test_collection_errors_are_one_line(tmp_path):
-    with pytest.raises(TrainError, match="sink_tokens > 0"):
+    with pytest.raises(UserError, match="sink_tokens > 0"):
         _local(_cfg(tmp_path, sink_tokens=0))
-    with pytest.raises(TrainError, match="judge_fitset"):
+    with pytest.raises(UserError, match="judge_fitset"):
         _local(_cfg(tmp_path, reward="judge"))
     with pytest.raises(ValueError, match="anchor_pass_band"):
         _cfg(tmp_path, anchor_pass_band="0.5")
 
 
-def _torchrun(tmp, nproc, restarts=0, **kw):
+def _torchrun(tmp, nproc, restarts=0, fault=None, **kw):
     import subprocess
     import sys
 
     cfg = _cfg(tmp, **kw).as_dict()
     args = [f"{k}={v}" for k, v in cfg.items() if v is not None and k not in ("quiet",)]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env.pop(faults.ENV, None)
+    if fault:
+        env[faults.ENV] = fault
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "--max-restarts", str(restarts), "-m", "admm_dist.train"] + args
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
@@ -97,7 +102,7 @@ def test_killed_rank_resumes_and_recollects_bit_for_bit(tmp_path):
     kw = dict(k_outer=3, recollect_every=2, anchors=4, group=3)
     clean = _torchrun(tmp_path / "clean", 4, **kw)
     assert clean.returncode == 0, clean.stderr[-3000:]
-    hurt = _torchrun(tmp_path / "hurt", 4, restarts=1, fault_at="2:1", resume="auto", **kw)
+    hurt = _torchrun(tmp_path / "hurt", 4, restarts=1, fault="2:1", resume="auto", **kw)
     assert hurt.returncode == 0, hurt.stderr[-3000:]
     assert "continuing after round 2" in hurt.stdout + hurt.stderr   # it did die and resume
     assert (hurt.stdout + hurt.stderr).count("collection 1:") == 2    # before the kill and after

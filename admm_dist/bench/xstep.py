@@ -26,7 +26,7 @@ Rows (seconds per optimizer step):
   log-probs computed once by ``precompute_reference``, the role-balanced sampler, Adam on
   ``adapter.param``), with ``no_grad_checkpointing`` set as in the CPU configs (no
   activation recomputation, like TRL's ``gradient_checkpointing=False`` below). One call
-  of the real ``Trainer.xstep`` with a proximal anchor (rho 0.03, KL term kl_beta 0.1) runs
+  of the real ``Trainer.xstep`` with a proximal centre (rho 0.03, KL term kl_beta 0.1) runs
   all the steps; an optimizer step post-hook stamps the end of every step, and a step's
   time is the gap between consecutive stamps (the first step starts at the call):
   sampling, ``collate``, ``loss`` (one forward of chosen + rejected), backward, proximal
@@ -72,341 +72,34 @@ The four parts run one after the other in this process (the ranks in spawned pro
 the load average before and after and the cores used by other processes are reported.
 ``--quick`` shrinks everything (hidden 64, 2 layers, vocab 512, batch 2, 8-token texts,
 rank 4, 3 steps after 1 warm-up, 2 local steps, 1 + 2 rounds) for a smoke test.
+
+This module owns the run and the report: :func:`run` (the four parts in order, their fields
+and the load around them: the JSON's dict), :func:`format_table` and the command line. The
+set-up and the timed parts are in :mod:`admm_dist.bench.xstep_measure`, the load accounting in
+:mod:`admm_dist.bench.common`.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import os
 import platform
-import random
-import statistics
 import sys
-import tempfile
-import time
-import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-PAD, UNK, EOS = "<|pad|>", "<|endoftext|>", "<|im_end|>"
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ROLE = "Planner"
-DPO_BETA = 0.1
-KL_BETA = 0.1
-LR = 1e-3
-GRAD_CLIP = 0.01
-RHO = 0.03
-TIMEOUT_S = 900.0
+from admm_dist.bench.common import CpuWindow, hush_future_warnings, load_footer, loadavg, write_json
+from admm_dist.bench.xstep_measure import (QUICK, Sizes, bench_ours, bench_overhead, bench_trl,
+                                           make_pairs, trl_version)
 
-
-def _hush() -> None:
-    """Keep the libraries' deprecation chatter (e.g. transformers' is_gradient_checkpointing,
-    read by PEFT) out of the table."""
-    warnings.filterwarnings("ignore", category=FutureWarning)
-
-
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    vocab: int = 4096
-    hidden: int = 256
-    layers: int = 4
-    heads: int = 4
-    batch: int = 8
-    prompt_tokens: int = 64
-    target_tokens: int = 64      # per completion, the EOS token included
-    rank: int = 16
-    steps: int = 20
-    warmup: int = 3
-    nprocs: int = 3
-    local_steps: int = 16
-    rounds: int = 6              # the first one is a warm-up
-
-
-QUICK = Sizes(vocab=512, hidden=64, layers=2, heads=2, batch=2, prompt_tokens=8, target_tokens=8,
-              rank=4, steps=3, warmup=1, local_steps=2, rounds=3)
-
-
-# ----------------------------------------------------------------------------- model and data
-
-def build_tokenizer(vocab: int):
-    """A WordLevel tokenizer over ``vocab`` tokens: PAD, UNK, EOS, then ``w0``, ``w1``, ..."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = [PAD, UNK, EOS]
-    table = {t: i for i, t in enumerate(specials)}
-    for i in range(vocab - len(specials)):
-        table[f"w{i}"] = len(table)
-    tok = Tokenizer(models.WordLevel(vocab=table, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, unk_token=UNK,
-                                   eos_token=EOS, bos_token=None, padding_side="right")
-
-
-def build_model(sz: Sizes, tok):
-    from admm_dist.testing.tiny import tiny_qwen3
-
-    model = tiny_qwen3(sz.vocab, hidden=sz.hidden, layers=sz.layers, heads=sz.heads, seed=0)
-    model.config.pad_token_id = tok.pad_token_id
-    model.config.eos_token_id = tok.eos_token_id
-    model.config.use_cache = False
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.pad_token_id = tok.pad_token_id
-        model.generation_config.eos_token_id = tok.eos_token_id
-    return model
-
-
-def make_pairs(sz: Sizes, n: int, seed: int) -> List[Dict[str, str]]:
-    """``n`` random pairs: prompt of ``prompt_tokens`` words; completions of
-    ``target_tokens - 1`` words and EOS, each with a leading space."""
-    rng = random.Random(seed)
-    n_words = sz.vocab - 3
-
-    def words(k: int) -> str:
-        return " ".join(f"w{rng.randrange(n_words)}" for _ in range(k))
-
-    return [{"prompt": words(sz.prompt_tokens),
-             "chosen": " " + words(sz.target_tokens - 1) + EOS,
-             "rejected": " " + words(sz.target_tokens - 1) + EOS} for _ in range(n)]
-
-
-def to_examples(pairs: Sequence[Dict[str, str]]):
-    from admm_dist.data.fitset import Example
-
-    return [Example(seat=0, role=ROLE, anchor=f"a{i}", prompt=p["prompt"], target=p["chosen"],
-                    rejected=p["rejected"]) for i, p in enumerate(pairs)]
-
-
-def _train_config(sz: Sizes, n_nodes: int, local_steps: int):
-    from admm_dist.training.config import TrainConfig
-
-    return TrainConfig(
-        task="bench", model_name="tiny-random-qwen3", device="cpu", seed=0, n_agents=n_nodes,
-        backend="auto", timeout_s=TIMEOUT_S, fit_mode="dpo", dpo_beta=DPO_BETA, kl_beta=KL_BETA,
-        lora_rank=sz.rank, lora_alpha=float(sz.rank), lora_layers_last=sz.layers,
-        lora_targets="attn_mlp", local_steps=local_steps, batch_size=sz.batch, eta=LR, rho=RHO,
-        grad_clip=GRAD_CLIP, consensus="ring", topology="ring", quiet=True,
-        no_grad_checkpointing=True,  # as TRL's gradient_checkpointing=False: no recomputation
-        max_prompt_tokens=max(8192, sz.prompt_tokens), max_target_tokens=max(4096, sz.target_tokens))
-
-
-def _bench_trainer_class():
-    from admm_dist.training.trainer import Trainer
-
-    class BenchTrainer(Trainer):
-        """The real Trainer; only the fit-set file and the backbone folder are replaced."""
-
-        def __init__(self, cfg, ctx, sz: Sizes, shards: Dict[int, List[Any]]):
-            super().__init__(cfg, ctx, log=lambda m: None)
-            self._sz, self._shards = sz, shards
-
-        def needs_collection(self):
-            return False
-
-        def check_outputs(self):
-            """The benchmark writes no outputs: whatever is in the default out is not its concern."""
-
-        def read_fitset(self):
-            return None
-
-        def load_data(self, f=None):
-            return {n: self._shards[n] for n in self.nodes}, []
-
-        def load_backbone(self):
-            tok = build_tokenizer(self._sz.vocab)
-            return build_model(self._sz, tok), tok
-
-    return BenchTrainer
-
-
-def _single_ctx():
-    from admm_dist.engine.dist import DistContext, DistEnv
-
-    return DistContext(env=DistEnv(), device=torch.device("cpu"), backend=None,
-                       timeout=datetime.timedelta(seconds=TIMEOUT_S))
-
-
-def _tail(times: Sequence[float], warmup: int) -> List[float]:
-    return list(times[warmup:])
-
-
-# ----------------------------------------------------------------------------- (a) ours
-
-def bench_ours(sz: Sizes, pairs: Sequence[Dict[str, str]]) -> Dict[str, Any]:
-    """Median seconds per local Adam step of ``Trainer.xstep`` (see the module docstring)."""
-    cfg = _train_config(sz, 1, sz.warmup + sz.steps)
-    trainer = _bench_trainer_class()(cfg, _single_ctx(), sz, {0: to_examples(pairs)})
-    trainer.setup()
-    t0 = time.perf_counter()
-    trainer.build_nodes()
-    precompute = time.perf_counter() - t0
-    node = trainer.nodes[0]
-    stamps: List[float] = []
-    handle = trainer.state[node].optimizer.register_step_post_hook(
-        lambda *_: stamps.append(time.perf_counter()))
-    eng = trainer.engine
-    anchor = eng.anchor(0)
-    start = time.perf_counter()
-    f = trainer.xstep(node, eng.x[0], anchor, eng.rho)
-    handle.remove()
-    if len(stamps) != cfg.local_steps:
-        raise RuntimeError(f"xstep made {len(stamps)} optimizer steps, expected {cfg.local_steps}"
-                           f" (f={f})")
-    steps = [b - a for a, b in zip([start] + stamps[:-1], stamps)]
-    timed = _tail(steps, sz.warmup)
-    return {"ours_s": statistics.median(timed), "ours_step_times_s": timed,
-            "ours_warmup_times_s": steps[:sz.warmup], "ours_precompute_s": precompute,
-            "ours_mean_f": f, "numel_b": trainer.adapter.numel,
-            "threads": torch.get_num_threads()}
-
-
-# ----------------------------------------------------------------------------- (b, c) TRL
-
-def trl_version() -> Optional[str]:
-    try:
-        import trl
-    except Exception:  # ImportError, or a broken install
-        return None
-    return str(getattr(trl, "__version__", "unknown"))
-
-
-def bench_trl(sz: Sizes, pairs: Sequence[Dict[str, str]], precompute: bool) -> Dict[str, Any]:
-    """Median seconds per step of TRL's DPOTrainer (see the module docstring)."""
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import PrinterCallback, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
-
-    stamps: Dict[str, Any] = {"begin": [], "end": [], "train_begin": None, "precompute_s": 0.0}
-
-    class Timer(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            stamps["train_begin"] = time.perf_counter()
-            stamps["threads"] = torch.get_num_threads()
-
-        def on_step_begin(self, args, state, control, **kw):
-            stamps["begin"].append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kw):
-            stamps["end"].append(time.perf_counter())
-
-    class TimedDPOTrainer(DPOTrainer):
-        def _precompute_ref_logps(self, *a, **kw):
-            t = time.perf_counter()
-            try:
-                return super()._precompute_ref_logps(*a, **kw)
-            finally:
-                stamps["precompute_s"] += time.perf_counter() - t
-
-    tok = build_tokenizer(sz.vocab)
-    model = build_model(sz, tok)
-    data = Dataset.from_dict({k: [p[k] for p in pairs] for k in ("prompt", "chosen", "rejected")})
-    n_steps = sz.warmup + sz.steps
-    with tempfile.TemporaryDirectory(prefix="admm-bench-trl-") as out:
-        args = DPOConfig(
-            output_dir=out, per_device_train_batch_size=sz.batch, max_steps=n_steps,
-            learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-            max_grad_norm=GRAD_CLIP, beta=DPO_BETA, bf16=False, fp16=False,
-            gradient_checkpointing=False, use_cpu=True, precompute_ref_log_probs=precompute,
-            logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none",
-            disable_tqdm=True, dataloader_num_workers=0, seed=0, max_length=None)
-        peft_config = LoraConfig(r=sz.rank, lora_alpha=sz.rank, target_modules=list(PROJECTIONS),
-                                 lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-        t0 = time.perf_counter()
-        trainer = TimedDPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
-                                  peft_config=peft_config, callbacks=[Timer()])
-        build_s = time.perf_counter() - t0
-        trainer.remove_callback(PrinterCallback)  # it prints the final metrics dict
-        frozen = 0
-        for name, p in trainer.model.named_parameters():
-            if "lora_A" in name:
-                p.requires_grad_(False)
-                frozen += 1
-        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-        row = trainer.train_dataset[0]
-        lengths = [len(row["prompt_ids"]), len(row["chosen_ids"]), len(row["rejected_ids"])]
-        torch.set_num_threads(1)  # in case anything changed it
-        trainer.train()
-    if len(stamps["end"]) != n_steps or stamps["train_begin"] is None:
-        raise RuntimeError(f"TRL made {len(stamps['end'])} steps, expected {n_steps}")
-    ends = stamps["end"]
-    steps = [b - a for a, b in zip([stamps["train_begin"]] + ends[:-1], ends)]
-    inner = [e - b for b, e in zip(stamps["begin"], ends)]
-    timed, timed_inner = _tail(steps, sz.warmup), _tail(inner, sz.warmup)
-    return {"median_s": statistics.median(timed), "step_times_s": timed,
-            "warmup_times_s": steps[:sz.warmup], "inner_median_s": statistics.median(timed_inner),
-            "inner_step_times_s": timed_inner, "precompute_ref_s": stamps["precompute_s"],
-            "build_s": build_s, "lora_a_frozen": frozen, "trainable_params": trainable,
-            "token_lengths_prompt_chosen_rejected": lengths, "threads": stamps.get("threads")}
-
-
-# ----------------------------------------------------------------------------- (d) overhead
-
-def _overhead_rank(ctx, sz: Sizes, seed: int) -> Dict[str, Any]:
-    _hush()
-    torch.set_num_threads(1)
-    n = ctx.world_size
-    cfg = _train_config(sz, n, sz.local_steps)
-    n_pairs = sz.batch * sz.local_steps * sz.rounds
-    shards = {node: to_examples(make_pairs(sz, n_pairs, seed + 7919 * (node + 1)))
-              for node in range(n)}
-    trainer = _bench_trainer_class()(cfg, ctx, sz, shards)
-    trainer.setup()
-    trainer.build_nodes()
-    trainer.comm.barrier()
-    walls, records = [], []
-    for _ in range(sz.rounds):
-        t0 = time.perf_counter()
-        rec = trainer.engine.step(trainer.xstep)
-        walls.append(time.perf_counter() - t0)
-        records.append(rec.as_dict())
-    return {"rank": ctx.rank, "step_wall_s": walls, "records": records,
-            "threads": torch.get_num_threads(), "comm": type(trainer.comm).__name__}
-
-
-def bench_overhead(sz: Sizes, seed: int) -> Dict[str, Any]:
-    from admm_dist.engine.launcher import launch_cpu
-
-    if sz.rounds < 2:
-        raise ValueError("the overhead part needs at least 2 rounds (one warm-up)")
-    t0 = time.perf_counter()
-    res = launch_cpu(_overhead_rank, sz.nprocs, sz, seed, timeout_s=TIMEOUT_S, threads=1)
-    wall = time.perf_counter() - t0
-    ranks = [res[r] for r in range(sz.nprocs)]
-    records = ranks[0]["records"]
-    rounds = []
-    for k, rec in enumerate(records):
-        tot = [x + z + o for x, z, o in zip(rec["sec_x"], rec["sec_z"], rec["sec_other"])]
-        w, x = max(tot), max(rec["sec_x"])
-        w_step = max(rk["step_wall_s"][k] for rk in ranks)
-        rounds.append({"round": rec["round"], "wall_s": w, "step_wall_s": w_step, "x_s": x,
-                       "sec_x": rec["sec_x"], "sec_z": rec["sec_z"], "sec_other": rec["sec_other"],
-                       "share": (w - x) / w, "share_step_wall": (w_step - x) / w_step})
-    timed = rounds[1:]
-    cores = os.cpu_count() or 1
-    x_per_step = [r["x_s"] / sz.local_steps for r in timed]
-    return {"overhead_share": statistics.median(r["share"] for r in timed),
-            "overhead_share_step_wall": statistics.median(r["share_step_wall"] for r in timed),
-            "overhead_rounds": rounds, "overhead_nprocs": sz.nprocs,
-            "overhead_local_steps": sz.local_steps, "overhead_warmup_rounds": 1,
-            "overhead_x_s_per_step": statistics.median(x_per_step),
-            "overhead_comm": ranks[0]["comm"], "overhead_launch_wall_s": wall,
-            "oversubscribed": sz.nprocs > cores,
-            "overhead_threads_per_rank": ranks[0]["threads"]}
-
-
-# ----------------------------------------------------------------------------- run
 
 def run(sz: Sizes, *, with_trl: bool = True, seed: int = 0, log=print) -> Dict[str, Any]:
-    from admm_dist.bench.comm import _CpuClock, _loadavg, _other_cores
-
+    """The four parts one after the other, with the load around them: the JSON's dict."""
     torch.set_num_threads(1)
-    load0 = _loadavg()
-    busy0, own0, wall0 = _CpuClock.machine_busy_s(), _CpuClock.own_s(), time.perf_counter()
+    load0 = loadavg()
+    whole = CpuWindow.start()
     pairs = make_pairs(sz, sz.batch * (sz.warmup + sz.steps), seed)
     out: Dict[str, Any] = {"sizes": dataclasses.asdict(sz), "torch": torch.__version__,
                            "python": platform.python_version(), "cpu_cores": os.cpu_count()}
@@ -454,15 +147,13 @@ def run(sz: Sizes, *, with_trl: bool = True, seed: int = 0, log=print) -> Dict[s
 
     log(f"# (d) overhead: {sz.nprocs} gloo ranks, local_steps {sz.local_steps}, "
         f"1+{sz.rounds - 1} rounds ...")
-    t, b, o = time.perf_counter(), _CpuClock.machine_busy_s(), _CpuClock.own_s()
+    overhead = CpuWindow.start()
     out.update(bench_overhead(sz, seed + 1))
-    out["overhead_other_processes_cores"] = _other_cores(
-        b, _CpuClock.machine_busy_s(), _CpuClock.own_s() - o, time.perf_counter() - t)
+    _, out["overhead_other_processes_cores"] = overhead.stop()
 
-    wall = time.perf_counter() - wall0
-    out.update(wall_s=wall, loadavg_1min_before=load0, loadavg_1min_after=_loadavg(),
-               other_processes_cores=_other_cores(busy0, _CpuClock.machine_busy_s(),
-                                                  _CpuClock.own_s() - own0, wall))
+    wall, other = whole.stop()
+    out.update(wall_s=wall, loadavg_1min_before=load0, loadavg_1min_after=loadavg(),
+               other_processes_cores=other)
     return out
 
 
@@ -541,21 +232,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if sz.rounds < 2:
         ap.error("--rounds must be >= 2 (the first is a warm-up)")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    _hush()
+    hush_future_warnings()
     print(f"# x-step benchmark: Qwen3 hidden {sz.hidden}, {sz.layers} layers, vocab {sz.vocab}; "
           f"batch {sz.batch} pairs of {sz.prompt_tokens}+{sz.target_tokens}+{sz.target_tokens} "
           f"tokens; B-only LoRA rank {sz.rank} on 7 projections x {sz.layers} layers; "
           f"1 thread; torch {torch.__version__}", flush=True)
     r = run(sz, with_trl=not args.no_trl, log=lambda *a: print(*a, flush=True))
     print(format_table(r))
-    print(f"# load average 1 min before/after: {r['loadavg_1min_before']}/{r['loadavg_1min_after']}; "
-          f"other processes used about {_f(r['other_processes_cores'], '.2f')} cores; "
-          f"wall {r['wall_s']:.1f} s")
+    print(load_footer(r, missing="skipped"))
     if args.json:
-        from admm_dist.core.io import atomic_write_json
-
-        atomic_write_json(args.json, r)
-        print(f"# wrote {args.json}")
+        write_json(args.json, r)
     return 0
 
 

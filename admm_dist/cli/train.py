@@ -3,8 +3,10 @@
 Without torchrun (or with ``--backend local``) every node runs in this one
 process on one backbone. Overrides are the seed's flags (``--rho 0.1``,
 ``--local_only``) or ``key=value``; see :mod:`admm_dist.training.config` for all keys.
-The process group is always torn down, on success and on failure; a bad input
-ends the run with one line on stderr and a non-zero exit code.
+The process group is always torn down, on success and on failure. Bad input (a
+:class:`~admm_dist.core.errors.UserError`, or a path that cannot be used) ends the run with
+one line on stderr and exit code 2; a run that cannot go on (a peer rank stopped, the
+iterates diverged) with one line and exit code 1; anything else is a bug and a traceback.
 """
 from __future__ import annotations
 
@@ -13,23 +15,16 @@ from typing import List, Optional, Sequence
 
 from torch.distributed import DistError
 
-from admm_dist.core import config_file as config_mod
-from admm_dist.engine.admm import NonFiniteError
-from admm_dist.model.adapter import AdapterError
-from admm_dist.training.checkpoint import CheckpointError
-from admm_dist.engine.comm import CommError
-from admm_dist.engine.dist import DistConfigError, distributed, read_env
-from admm_dist.data.fitset import FitSetError
-from admm_dist.mas.vllm_backend import VLLMBackendError
-from admm_dist.engine.preemption import PreemptionFlag, record_pid, write_status
-from admm_dist.training.config import TrainConfig
+from admm_dist.core import config_file
+from admm_dist.core.errors import EXIT_RUN_ERROR, EXIT_USER_ERROR, RunError, UserError
 from admm_dist.core.libraries import quiet_libraries
-from admm_dist.engine.preemption import Preempted
-from admm_dist.training.trainer import TrainError, Trainer
+from admm_dist.engine.dist import distributed, read_env
+from admm_dist.engine.preemption import Preempted, PreemptionFlag, record_pid, write_status
+from admm_dist.testing import faults
+from admm_dist.training.config import TrainConfig
+from admm_dist.training.trainer import Trainer
 
-USER_ERRORS = (config_mod.ConfigError, ValueError, TrainError, FitSetError, AdapterError,
-               CheckpointError, DistConfigError, NonFiniteError, CommError, VLLMBackendError)
-
+PROG = "admm_dist.train"
 HELP = __doc__ + "\nKeys and defaults:\n" + "\n".join(
     f"  --{k} {v!r}" for k, v in TrainConfig().as_dict().items())
 
@@ -50,29 +45,29 @@ def _run(argv: List[str], flag: PreemptionFlag) -> int:
         print(HELP)
         return 0
     try:
-        cfg = config_mod.load(TrainConfig, argv)
-    except (config_mod.ConfigError, ValueError) as e:
-        print(f"admm_dist.train: error: {e}", file=sys.stderr)
-        return 2
+        cfg = config_file.load(TrainConfig, argv)
+        plan = faults.from_env()
+    except UserError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
     rank = 0
     unrecord = lambda: None  # noqa: E731
     try:
         rank = read_env().rank
         unrecord = record_pid(rank)
         with distributed(cfg.device, timeout_s=cfg.timeout_s) as ctx:
-            trainer = Trainer(cfg, ctx, preempt=flag)
-            report = trainer.train()
+            report = Trainer(cfg, ctx, preempt=flag, faults=plan).train()
     except Preempted as e:
         if rank == 0:
-            print(f"admm_dist.train: {e}", flush=True)
+            print(f"{PROG}: {e}", flush=True)
             _quiet_status("preempted", e.round, cfg.out, str(e))
         return 0
-    except USER_ERRORS + (OSError, DistError) as e:
+    except (UserError, OSError, RunError, DistError) as e:
         msg = _one_line(e)
-        print(f"admm_dist.train: error on rank {rank}: {msg}", file=sys.stderr)
+        print(f"{PROG}: error on rank {rank}: {msg}", file=sys.stderr)
         if rank == 0:
             _quiet_status("failed", None, cfg.out, msg)
-        return 1
+        return EXIT_USER_ERROR if isinstance(e, (UserError, OSError)) else EXIT_RUN_ERROR
     else:
         if rank == 0:
             if not cfg.quiet and not cfg.dry_run:
@@ -85,7 +80,7 @@ def _run(argv: List[str], flag: PreemptionFlag) -> int:
 
 def _one_line(e: BaseException) -> str:
     """An exception as one line; an OSError names the path and the reason."""
-    if isinstance(e, OSError) and not isinstance(e, USER_ERRORS):
+    if isinstance(e, OSError) and not isinstance(e, (UserError, RunError)):
         where = f" {e.filename}" if e.filename else ""
         return f"cannot use{where}: {e.strerror or e} (check the path, its permissions and free space)"
     if isinstance(e, DistError):

@@ -20,11 +20,12 @@ import typing
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 import yaml
+from admm_dist.core.errors import UserError
 
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration value or key is wrong; the message names the fix."""
 
 

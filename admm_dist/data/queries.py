@@ -11,6 +11,7 @@ import random
 from typing import List, Optional, Sequence
 
 from admm_dist import tasks
+from admm_dist.core.errors import UserError
 
 
 def pool(task: str, *, seed: int, split: Optional[str] = None, path: Optional[str] = None,
@@ -21,7 +22,7 @@ def pool(task: str, *, seed: int, split: Optional[str] = None, path: Optional[st
         kw["n"] = n
     items = list(tasks.load(task, split=split or "eval", **kw))
     if not items:
-        raise ValueError(f"task {task} has no rows in split {split or 'eval'}"
+        raise UserError(f"task {task} has no rows in split {split or 'eval'}"
                          + (f" of {path}" if path else "") + ": check --task_path / --anchor_split")
     random.Random(seed).shuffle(items)
     return items
@@ -32,17 +33,17 @@ def training_slice(items: Sequence[dict], count: int, *, offset: Optional[int] =
     """``count`` rows for the ``collection``-th collection (0 = the first): from the end of
     the pool, or from row ``offset`` on; each re-collection takes the next fresh slice."""
     if count < 1:
-        raise ValueError(f"anchors={count}: collect on at least one query")
+        raise UserError(f"anchors={count}: collect on at least one query")
     n = len(items)
     if offset is not None:
         lo = offset + collection * count
         if offset < 0 or lo + count > n:
-            raise ValueError(f"anchor_offset {offset} + {collection + 1} x {count} queries exceeds the "
+            raise UserError(f"anchor_offset {offset} + {collection + 1} x {count} queries exceeds the "
                              f"pool of {n} rows: lower --anchors, --anchor_offset or --recollect_every")
         return list(items[lo:lo + count])
     hi = n - collection * count
     if hi - count < 1:   # keep at least one row at the front for evaluation
-        raise ValueError(f"{collection + 1} x {count} training queries do not fit in the pool of {n} "
+        raise UserError(f"{collection + 1} x {count} training queries do not fit in the pool of {n} "
                          f"rows: lower --anchors (or --anchor_pool) or --recollect_every")
     return list(items[hi - count:hi])
 
@@ -51,7 +52,7 @@ def evaluation_rows(items: Sequence[dict], n: Optional[int] = None, *, offset: i
     """Rows from the front of the pool."""
     end = len(items) if n is None else offset + n
     if offset < 0 or end > len(items):
-        raise ValueError(f"rows [{offset}, {end}) exceed the pool of {len(items)}: lower --n or --offset")
+        raise UserError(f"rows [{offset}, {end}) exceed the pool of {len(items)}: lower --n or --offset")
     return list(items[offset:end])
 
 
@@ -60,6 +61,6 @@ def refuse_leaks(rows: Sequence[dict], train_keys: Sequence[str], *, report: str
     used = set(train_keys)
     leaked = [r["anchor"] for r in rows if r["anchor"] in used]
     if leaked:
-        raise ValueError(f"{len(leaked)} of {len(rows)} evaluation rows were training queries in {report} "
+        raise UserError(f"{len(leaked)} of {len(rows)} evaluation rows were training queries in {report} "
                          f"(e.g. anchor {leaked[0]}): evaluate other rows (--offset, --n) or train with a "
                          f"different --anchor_offset")

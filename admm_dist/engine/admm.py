@@ -36,8 +36,9 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from admm_dist.engine.comm import CONSENSUS, Communicator
+from admm_dist.core.errors import RunError, UserError
 
-# x-step: (node, x (updated in place), anchor z_i - u_i or None, rho) -> f_i
+# x-step: (node, x (updated in place), proximal centre z_i - u_i or None, rho) -> f_i
 XStep = Callable[[int, torch.Tensor, Optional[torch.Tensor], float], float]
 
 ROW_FIELDS = ("f", "primal", "z_norm", "dual", "x_norm", "bytes_sent", "bytes_recv",
@@ -55,21 +56,21 @@ class ADMMConfig:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.rho_mu) and self.rho_mu > 1):
-            raise ValueError(f"rho_mu={self.rho_mu}: residual balancing needs a ratio > 1 (10 is usual)")
+            raise UserError(f"rho_mu={self.rho_mu}: residual balancing needs a ratio > 1 (10 is usual)")
         if not (math.isfinite(self.rho_tau) and self.rho_tau > 1):
-            raise ValueError(f"rho_tau={self.rho_tau}: rho changes by a factor > 1 (2 is usual)")
+            raise UserError(f"rho_tau={self.rho_tau}: rho changes by a factor > 1 (2 is usual)")
         if self.rho_adapt and (self.local_only or self.no_dual):
-            raise ValueError("rho_adapt balances primal and dual residuals of full ADMM: drop it for "
+            raise UserError("rho_adapt balances primal and dual residuals of full ADMM: drop it for "
                              "local_only / no_dual")
         if not math.isfinite(self.rho) or self.rho < 0:
-            raise ValueError(f"rho={self.rho}: the ADMM penalty must be a finite number >= 0")
+            raise UserError(f"rho={self.rho}: the ADMM penalty must be a finite number >= 0")
         if self.rho == 0 and not self.local_only:
-            raise ValueError("rho=0 decouples the nodes: use local_only=True for that ablation, or rho > 0")
+            raise UserError("rho=0 decouples the nodes: use local_only=True for that ablation, or rho > 0")
         if self.local_only and self.no_dual:
-            raise ValueError("local_only and no_dual are separate ablations: choose one")
+            raise UserError("local_only and no_dual are separate ablations: choose one")
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(RunError, FloatingPointError):
     """A node's objective or state became NaN/inf; every rank raises it together."""
 
 
@@ -135,7 +136,7 @@ class ADMMEngine:
     def numel(self) -> int:
         return self.x[0].numel()
 
-    def anchor(self, k: int) -> Optional[torch.Tensor]:
+    def centre(self, k: int) -> Optional[torch.Tensor]:
         """The proximal centre z_i - u_i of local node index k (None under local_only)."""
         if self.config.local_only:
             return None
@@ -151,7 +152,7 @@ class ADMMEngine:
         t0 = time.perf_counter()
         f_local = []
         for k, node in enumerate(self.nodes):
-            f_local.append(float(xstep(node, self.x[k], self.anchor(k), self.rho)))
+            f_local.append(float(xstep(node, self.x[k], self.centre(k), self.rho)))
         t1 = time.perf_counter()
 
         for k in range(len(self.nodes)):
@@ -235,7 +236,7 @@ class ADMMEngine:
                     raise KeyError(f"state has no {key!r}: it was saved for other nodes")
                 src = state[key]
                 if src.shape != dst[k].shape:
-                    raise ValueError(f"{key}: shape {tuple(src.shape)} != {tuple(dst[k].shape)} "
+                    raise UserError(f"{key}: shape {tuple(src.shape)} != {tuple(dst[k].shape)} "
                                      "(a checkpoint from another configuration)")
                 dst[k].copy_(src)
         self.round = int(state["round"])

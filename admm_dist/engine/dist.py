@@ -18,17 +18,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import os
 from typing import Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+from admm_dist.core.constants import DEFAULT_TIMEOUT_S
+from admm_dist.core.errors import UserError
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
-_INITS = 0  # process groups created by this process (store key space of each)
+_GROUP_IDS = itertools.count(1)   # process groups this process created: each its own store key space
 
 
-class DistConfigError(ValueError):
+class DistConfigError(UserError):
     """The distributed environment is inconsistent; the message says how to fix it."""
 
 
@@ -142,9 +145,8 @@ def _init_group(env: DistEnv, backend: str, timeout: datetime.timedelta, from_en
         # key space, or a restarted rank would read the dead attempt's addresses.
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                               is_master=False, timeout=timeout)
-        global _INITS
-        _INITS += 1  # every rank sets up the same sequence of groups: same keys on all
-        store = dist.PrefixStore(f"admm_dist/attempt_{env.restart_count}/group_{_INITS}", store)
+        group_id = next(_GROUP_IDS)   # every rank sets up the same sequence of groups: same keys on all
+        store = dist.PrefixStore(f"admm_dist/attempt_{env.restart_count}/group_{group_id}", store)
         dist.init_process_group(backend=backend, store=store, rank=env.rank,
                                 world_size=env.world_size, timeout=timeout, **kwargs)
     else:
@@ -155,7 +157,7 @@ def _init_group(env: DistEnv, backend: str, timeout: datetime.timedelta, from_en
 
 
 @contextlib.contextmanager
-def distributed(device: str = "auto", *, timeout_s: float = 300.0,
+def distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
                 env: Optional[DistEnv] = None) -> Iterator[DistContext]:
     """Set up the default process group for this worker and always tear it down.
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict
 
 import torch
 
+from admm_dist.core.constants import DEFAULT_TIMEOUT_S
 from admm_dist.engine.dist import distributed
 
 
@@ -30,7 +31,7 @@ def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, setup: bool,
         return fn(ctx, *args)
 
 
-def launch_cpu(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 60.0,
+def launch_cpu(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S,
                threads: int = 1, max_restarts: int = 0, setup: bool = True) -> Dict[int, Any]:
     """Run ``fn`` on ``nprocs`` gloo ranks; returns {rank: return value}.
 

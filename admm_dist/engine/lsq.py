@@ -25,6 +25,8 @@ import torch
 from admm_dist.engine.admm import ADMMConfig, ADMMEngine, RoundRecord
 from admm_dist.engine.comm import MODES, TOPOLOGIES, make_communicator
 from admm_dist.engine.dist import distributed
+from admm_dist.core.constants import LSQ_SALT
+from admm_dist.core.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,13 +41,13 @@ class LeastSquares:
 
     def __post_init__(self) -> None:
         if self.n_nodes < 1 or self.dim < 1:
-            raise ValueError("n_nodes and dim must be >= 1")
+            raise UserError("n_nodes and dim must be >= 1")
         if self.rows < self.dim:
-            raise ValueError(f"rows={self.rows} < dim={self.dim}: each node needs rows >= dim "
+            raise UserError(f"rows={self.rows} < dim={self.dim}: each node needs rows >= dim "
                              "for a unique local optimum")
 
     def node_data(self, i: int):
-        g = torch.Generator().manual_seed(self.seed * 100003 + i)
+        g = torch.Generator().manual_seed(self.seed * LSQ_SALT + i)
         a = torch.randn(self.rows, self.dim, generator=g, dtype=torch.float64) / math.sqrt(self.rows)
         x_true = torch.randn(self.dim, generator=g, dtype=torch.float64)
         shift = self.hetero * torch.randn(self.dim, generator=g, dtype=torch.float64)
@@ -71,16 +73,16 @@ class LeastSquares:
         return torch.linalg.solve(h, g)
 
     def exact_xstep(self):
-        """argmin_x f_i(x) + rho/2 ||x - anchor||^2, solved in float64."""
+        """argmin_x f_i(x) + rho/2 ||x - centre||^2, solved in float64."""
         cache = {}
 
-        def xstep(node: int, x: torch.Tensor, anchor: Optional[torch.Tensor], rho: float) -> float:
+        def xstep(node: int, x: torch.Tensor, centre: Optional[torch.Tensor], rho: float) -> float:
             if node not in cache:
                 a, b = self.node_data(node)
                 cache[node] = (a.T @ a, a.T @ b)
             h, g = cache[node]
             eye = torch.eye(self.dim, dtype=torch.float64)
-            rhs = g if anchor is None else g + rho * anchor.double()
+            rhs = g if centre is None else g + rho * centre.double()
             x.copy_(torch.linalg.solve(h + rho * eye, rhs))
             return self.objective(node, x)
 
@@ -90,7 +92,7 @@ class LeastSquares:
         """``local_steps`` Adam steps on F_i; Adam moments persist across rounds."""
         opts = {}
 
-        def xstep(node: int, x: torch.Tensor, anchor: Optional[torch.Tensor], rho: float) -> float:
+        def xstep(node: int, x: torch.Tensor, centre: Optional[torch.Tensor], rho: float) -> float:
             a, b = (t.float() for t in self.node_data(node))
             if node not in opts:
                 p = torch.nn.Parameter(x.clone())
@@ -102,8 +104,8 @@ class LeastSquares:
                 opt.zero_grad(set_to_none=True)
                 r = a @ p - b
                 loss = 0.5 * (r @ r)
-                if anchor is not None and rho > 0:
-                    loss = loss + 0.5 * rho * (p - anchor).pow(2).sum()
+                if centre is not None and rho > 0:
+                    loss = loss + 0.5 * rho * (p - centre).pow(2).sum()
                 loss.backward()
                 opt.step()
             with torch.no_grad():

@@ -21,10 +21,13 @@ import os
 import signal
 import socket
 import threading
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from admm_dist.core.errors import AdmmDistError
 from admm_dist.core.io import atomic_write_json
+
+if TYPE_CHECKING:
+    from admm_dist.engine.comm import Communicator
 
 JOB_DIR_ENV = "ADMM_JOB_DIR"
 STATES = ("finished", "preempted", "failed")
@@ -97,3 +100,11 @@ class Preempted(AdmmDistError):
                    "rerun with resume=auto")
         super().__init__(msg)
         self.round = round_
+
+
+def agree(flag: "PreemptionFlag", comm: "Communicator", n_local: int) -> bool:
+    """True on every rank if the signal reached any rank (one tiny gather of a flag per node)."""
+    import torch
+
+    noted = torch.tensor([[float(flag.noted)]] * n_local, dtype=torch.float64)
+    return bool(comm.gather_rows(noted).max().item() > 0)

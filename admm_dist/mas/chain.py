@@ -30,6 +30,7 @@ import torch
 from admm_dist.tasks.scoring import visible
 from admm_dist.mas import prompts as P
 from admm_dist.mas.generate import generate
+from admm_dist.core.errors import UserError
 
 SeedFn = Callable[[int, int], Optional[int]]   # (row, seat) -> seed, None = greedy
 
@@ -70,17 +71,17 @@ class ChainConfig:
 
     def __post_init__(self) -> None:
         if self.n_agents < 1:
-            raise ValueError(f"n_agents={self.n_agents}: a chain needs at least one seat")
+            raise UserError(f"n_agents={self.n_agents}: a chain needs at least one seat")
         P.mode_of(self.prompt)
         P.wording(self.words)
         if self.context_tokens is not None and self.context_tokens <= 0:
             self.context_tokens = None
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+            raise UserError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.sink_tokens is not None and self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens={self.sink_tokens} must be >= 0 (0: the last seat does not generate)")
+            raise UserError(f"sink_tokens={self.sink_tokens} must be >= 0 (0: the last seat does not generate)")
         if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
+            raise UserError(f"batch_size={self.batch_size} must be >= 1")
 
     def budget(self, seat: int) -> int:
         if seat == self.n_agents - 1 and self.sink_tokens is not None:
@@ -97,7 +98,7 @@ def check_think(tokenizer, think: bool) -> None:
         template = " ".join(map(str, dict(template).values())) if isinstance(template, dict) else str(template)
     if "enable_thinking" not in template:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise ValueError(f"think=true: the chat template of {name} has no thinking switch "
+        raise UserError(f"think=true: the chat template of {name} has no thinking switch "
                          "(enable_thinking): use think=false with this model")
 
 
@@ -124,7 +125,7 @@ class ChainRunner:
             raise ValueError("seat_states need an adapter to load them into")
         bad = [s for s in list(self.seat_states) + list(self.seat_models) if not 0 <= s < config.n_agents]
         if bad:
-            raise ValueError(f"seats {bad} are outside a chain of {config.n_agents} seats")
+            raise UserError(f"seats {bad} are outside a chain of {config.n_agents} seats")
 
     # ------------------------------------------------------------------ prompts
     def _clip(self, tok) -> Optional[Callable[[str], str]]:

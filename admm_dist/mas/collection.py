@@ -2,7 +2,7 @@
 
 For each query the chain is sampled ``group`` times under the current adapters, and every
 adapted seat's message becomes an ``sft`` example labelled with the outcome (DESIGN.md
-section 5). The trainer derives ``dpo``/``rsft`` from it (:func:`admm_dist.data.fitset.derive`).
+section 5). The trainer derives ``dpo``/``rsft`` from it (:func:`admm_dist.data.derive.derive`).
 
 - ``credit shared``: ``group`` whole chains; every message of a chain is credited with the
   chain's outcome. DPO pairs a seat's message from a successful chain with one from a failed
@@ -35,6 +35,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from admm_dist.core.constants import PRESCREEN_SALT
+from admm_dist.core.errors import UserError
 from admm_dist.data import queries
 from admm_dist import tasks
 from admm_dist.data.fitset import Example, FitSet
@@ -48,7 +50,8 @@ COLLECT_KEY = ("task", "prompt", "think", "n_agents", "adapt_roles", "credit", "
 # Keys added after fit sets were first written, with the value that reproduces such a file:
 # they enter the key only when set otherwise, so an older cache stays valid.
 LATER_KEYS = {"prefix_samples": 1, "generation_backend": "hf"}
-PRESCREEN_SALT = 777000
+CREDITS = ("shared", "per_role")                 # credit: one reward for the chain, or per seat
+REWARDS = ("outcome", "judge", "gold_likelihood")  # reward: what scores a rollout
 
 
 def collect_key(cfg, *, init_sha: str = "none", collection: int = 0) -> Dict[str, Any]:
@@ -97,18 +100,18 @@ class Collector:
 
     def __post_init__(self) -> None:
         if self.reward == "judge":
-            raise ValueError("reward judge labels stored trajectories: build the fit set with "
+            raise UserError("reward judge labels stored trajectories: build the fit set with "
                              "admm_dist.cli.build_fitset and judge_fitset, then pass --fitset_cache")
         if self.prefix_samples < 1:
-            raise ValueError(f"prefix_samples={self.prefix_samples}: use 1 (one prefix chain) or more")
+            raise UserError(f"prefix_samples={self.prefix_samples}: use 1 (one prefix chain) or more")
         if self.prefix_samples > 1 and self.credit != "per_role":
-            raise ValueError("prefix_samples picks the prefix that per_role credit branches from: "
+            raise UserError("prefix_samples picks the prefix that per_role credit branches from: "
                              "use it with --credit per_role, or drop it")
         if self.prefix_samples > 1 and tasks.get(self.task).answer_type == "safety":
-            raise ValueError("prefix_samples keeps a prefix that answered right, which a safety task "
+            raise UserError("prefix_samples keeps a prefix that answered right, which a safety task "
                              "cannot score without a judge: drop --prefix_samples")
         if self.world > 1 and self.exchange is None:
-            raise ValueError("a collection over several ranks needs an exchange (collect.gather_json)")
+            raise UserError("a collection over several ranks needs an exchange (collect.gather_json)")
 
     # ------------------------------------------------------------------ work split
     def _map(self, items: Sequence[dict], fn: Callable[[List[dict]], List[Any]]) -> List[Any]:
@@ -129,7 +132,7 @@ class Collector:
     def prescreen(self, candidates: Sequence[dict], keep: int) -> Tuple[List[dict], Dict[str, Any]]:
         """Drop candidates the MAS answers right in both of two sampled chains; keep ``keep``."""
         if tasks.get(self.task).answer_type == "safety":
-            raise ValueError("anchor_pool pre-screening is for reasoning tasks: drop --anchor_pool")
+            raise UserError("anchor_pool pre-screening is for reasoning tasks: drop --anchor_pool")
 
         def probe(chunk: List[dict]) -> List[int]:
             runs = self.runner.run(chunk, samples=2, seed=self.seed + PRESCREEN_SALT)
@@ -222,7 +225,7 @@ class Collector:
     def collect(self, items: Sequence[dict], *, pass_band: Optional[Tuple[float, float]] = None
                 ) -> Tuple[List[Example], Dict[str, Any]]:
         if pass_band is not None and self.reward != "outcome":
-            raise ValueError("anchor_pass_band filters by outcome: use it with --reward outcome")
+            raise UserError("anchor_pass_band filters by outcome: use it with --reward outcome")
         groups = self._map(items, self._per_role if self.credit == "per_role" else self._shared)
         rates = [sum(g["outcomes"]) / max(1, len(g["outcomes"])) for g in groups]
         kept = [g for g, p in zip(groups, rates) if pass_band is None or pass_band[0] < p < pass_band[1]]
@@ -271,7 +274,7 @@ def chain_runner(cfg, model, tokenizer, *, adapter=None, states=None, seat_model
         batch_size=cfg.gen_batch_size), adapter=adapter, seat_states=states, seat_models=seat_models,
         generator=generator)
     if cfg.reward == "outcome" and runner.cfg.budget(cfg.n_agents - 1) <= 0:
-        raise ValueError("--reward outcome needs the final agent to generate (--sink_tokens > 0)")
+        raise UserError("--reward outcome needs the final agent to generate (--sink_tokens > 0)")
     return runner
 
 

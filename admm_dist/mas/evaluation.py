@@ -85,7 +85,8 @@ def run_reports(run_cfg: dict, run_dir: str) -> List[str]:
 
 
 def from_adapter(path: str, deploy: str, seats: Callable[[dict], List[int]]) -> Deploy:
-    from admm_dist.model.adapter import AdapterConfig, load_vector
+    from admm_dist.model.adapter import AdapterConfig
+    from admm_dist.model.vectors import load_vector
 
     if deploy == "local":
         raise UserError("--deploy local gives each seat its own node's state: pass --state DIR (the run's "
@@ -251,15 +252,11 @@ def roll_out(args, dep, agent_models, chain, rows, settings, device):
         states = {s: v for s, v in dep.vectors(adapter).items() if s not in agent_models}
         model = adapter.model
     others = {p: load_model(p, device, what="--agent_models") for p in sorted(set(agent_models.values()))}
-    generator, workdir = None, None
+    generator = None
     if args.generation_backend == "vllm":
-        import shutil
-        import tempfile
-
         from admm_dist.mas.vllm_backend import VLLMBackend
 
-        workdir = tempfile.mkdtemp(prefix="admm_dist-vllm-eval-")
-        generator = VLLMBackend(settings["model_name"], tok, adapter, workdir=workdir, seed=args.seed)
+        generator = VLLMBackend(settings["model_name"], tok, adapter, seed=args.seed)   # its own work folder
     try:
         runner = ChainRunner(model, tok, chain, adapter=adapter, seat_states=states,
                              seat_models={s: others[p] for s, p in agent_models.items()}, generator=generator)
@@ -267,7 +264,6 @@ def roll_out(args, dep, agent_models, chain, rows, settings, device):
     finally:
         if generator is not None:
             generator.close()
-            shutil.rmtree(workdir, ignore_errors=True)
     return [(item, r) for item, rs in zip(rows, results) for r in rs], sorted(states)
 
 

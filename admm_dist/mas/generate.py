@@ -54,7 +54,8 @@ class RowSeededSampler:
         return scores
 
 
-def _stop_ids(tokenizer, model) -> List[int]:
+def stop_ids(tokenizer, model) -> List[int]:
+    """The end-of-turn ids: the tokenizer's eos, ``model.generation_config``'s eos, ``<|im_end|>``."""
     ids = []
     for cand in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
         for x in (cand if isinstance(cand, (list, tuple)) else [cand]):
@@ -79,7 +80,7 @@ def generate(model, tokenizer, prompts: Sequence[str], *, seeds: Sequence[Option
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     if max_new_tokens <= 0:
         return [Generation("", False, 0) for _ in prompts]
-    stop = _stop_ids(tokenizer, model)
+    stop = stop_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
     device = next(model.parameters()).device
     old_side = tokenizer.padding_side

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence
+from admm_dist.core.errors import UserError
 
 ROLES = ("Planner", "Critic", "Refiner", "Judger")
 
@@ -59,7 +60,7 @@ def mode_of(name: str) -> Mode:
     try:
         return MODES[name]
     except KeyError:
-        raise ValueError(f"prompt mode {name!r} is unknown: choose one of {', '.join(MODES)}") from None
+        raise UserError(f"prompt mode {name!r} is unknown: choose one of {', '.join(MODES)}") from None
 
 
 def visible_upstream(mode: str, seat: int, n_agents: int) -> List[int]:
@@ -133,7 +134,7 @@ def wording(name: str) -> Wording:
     try:
         return WORDINGS[name]
     except KeyError:
-        raise ValueError(f"wording {name!r} is unknown: choose one of {', '.join(WORDINGS)}") from None
+        raise UserError(f"wording {name!r} is unknown: choose one of {', '.join(WORDINGS)}") from None
 
 
 # --------------------------------------------------------------------------- building

@@ -4,20 +4,18 @@ Design
 ------
 One :class:`VLLMBackend` owns one ``vllm.LLM`` engine that holds the *frozen* backbone
 (``model_path``). The trainable part of a seat, its flat B vector (:mod:`admm_dist.model.adapter`),
-reaches the engine as a LoRA adapter on disk: for a ``state`` the backend writes a standard
-PEFT folder with ``adapter.export_peft(workdir/lora-<sha>, state)`` (``sha`` hashes the
-vector's fp32 bytes) and passes ``LoRARequest(name, int_id, path)``. Every distinct state gets
-a fresh ``int_id``, so a state that changed (re-collection after a training round) is a new
-adapter to vLLM and is loaded from its new folder without restarting the engine; the same
-state is reused from the cache. The cache is bounded (``MAX_STATES``): the least recently
-used state is removed from the engine (``remove_lora``) and its folder deleted.
-``state=None`` runs the base model (the adapter off), as ``BOnlyLoRA.disabled()`` does.
+reaches the engine as a LoRA adapter exported into the backend's work folder, one per
+distinct state, in a bounded cache (:mod:`admm_dist.mas.vllm_lora`): a state that changed is
+a new adapter, loaded without restarting the engine. ``state=None`` runs the base model (the
+adapter off), as ``BOnlyLoRA.disabled()`` does. The work folder is the caller's
+(``workdir=``) or, by default, a temporary folder of the backend's own, removed by
+:meth:`VLLMBackend.close` and when construction fails.
 
 Inputs and outputs match the HF backend row for row. Prompts are chat-formatted text; they
 are tokenized here with ``tokenizer(p, add_special_tokens=False)`` and passed as token ids
 (``TokensPrompt``), so the engine sees exactly the ids the HF backend sees; vLLM's own
 tokenizer is never loaded (``skip_tokenizer_init``, ``detokenize=False``). The new ids are
-cut at the first end-of-turn id (the ids of ``generate._stop_ids``: the tokenizer's eos,
+cut at the first end-of-turn id (the ids of ``generate.stop_ids``: the tokenizer's eos,
 the generation config's eos, ``<|im_end|>``), decoded with the same tokenizer and
 ``skip_special_tokens=False``; ``finished`` means it stopped on such an id and ``n_tokens =
 len(tokens) + finished``. ``max_new_tokens <= 0`` returns empty generations without calling
@@ -72,23 +70,23 @@ projections (``lora_target_modules``), because vLLM's LoRA wrapper of the LM hea
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 import types
 from typing import Iterator, List, Optional, Sequence
 
 import torch
 
-from admm_dist.mas.generate import Generation, _stop_ids
+from admm_dist.core.errors import UserError
+from admm_dist.mas.generate import Generation, stop_ids
+from admm_dist.mas.vllm_lora import MAX_STATES, LoRAStates
 
 INSTALL_HINT = ("generation_backend=vllm needs vLLM: with a GPU `bash launch/install.sh vllm`; on CPU "
                 "`bash launch/vllm_env.sh`, then run with .venv-vllm/bin/python (docs/vllm.md)")
-MAX_STATES = 8                   # distinct seat states kept as adapters (folders + engine slots)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # vllm.config.lora.MaxLoRARanks (0.32)
 SEED_MOD = 1 << 63               # vLLM keeps request seeds in int64
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -98,8 +96,9 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
-class VLLMBackendError(RuntimeError):
-    """The vLLM backend cannot start or run; the message says what to change."""
+class VLLMBackendError(UserError):
+    """The vLLM backend cannot start or run (vLLM missing, a model or setting it cannot serve);
+    the message says what to change."""
 
 
 def _import_vllm():
@@ -123,14 +122,6 @@ def lora_rank_for(rank: int) -> int:
             return r
     raise VLLMBackendError(f"lora_rank={rank} is above vLLM's largest max_lora_rank "
                            f"{VLLM_LORA_RANKS[-1]}: use a smaller lora_rank")
-
-
-def state_hash(vec: torch.Tensor) -> str:
-    """sha256 over a B vector's length and fp32 little-endian bytes."""
-    flat = vec.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
-    h = hashlib.sha256(str(flat.numel()).encode())
-    h.update(flat.numpy().astype("<f4", copy=False).tobytes())
-    return h.hexdigest()
 
 
 def _read_config(model_path: str) -> dict:
@@ -235,20 +226,32 @@ class VLLMBackend:
     ``tokenizer`` is the HF tokenizer the HF backend uses (prompts are tokenized and outputs
     decoded with it). ``adapter`` (a :class:`~admm_dist.model.adapter.BOnlyLoRA`) is needed for any
     ``state``; it only exports PEFT folders, its own vector is left unchanged. ``workdir``
-    holds the exported adapters: give every rank its own. ``kv_cache_gib`` sizes the KV cache
-    on CPU; on GPU vLLM sizes it within ``gpu_memory_utilization`` of the device.
+    holds the exported adapters (give every rank its own); None (the default): a temporary
+    folder the backend makes and removes in :meth:`close`, or at once if construction fails.
+    ``kv_cache_gib`` sizes the KV cache on CPU; on GPU vLLM sizes it within
+    ``gpu_memory_utilization`` of the device.
     """
 
-    def __init__(self, model_path: str, tokenizer, adapter=None, *, workdir: str, seed: int = 0,
-                 max_model_len: int = 4096, dtype: str = "auto", kv_cache_gib: float = 1.0,
+    def __init__(self, model_path: str, tokenizer, adapter=None, *, workdir: Optional[str] = None,
+                 seed: int = 0, max_model_len: int = 4096, dtype: str = "auto", kv_cache_gib: float = 1.0,
                  max_lora_rank: Optional[int] = None, gpu_memory_utilization: float = 0.5):
         self._v = _import_vllm()
+        self._own_workdir = workdir is None
+        self.workdir = tempfile.mkdtemp(prefix="admm_dist-vllm-") if workdir is None else os.path.abspath(workdir)
+        try:
+            os.makedirs(self.workdir, exist_ok=True)
+            self._start(model_path, tokenizer, adapter, seed, max_model_len, dtype, kv_cache_gib,
+                        max_lora_rank, gpu_memory_utilization)
+        except BaseException:
+            self.close()   # the engine's processes, if any, and a work folder of our own
+            raise
+
+    def _start(self, model_path, tokenizer, adapter, seed, max_model_len, dtype, kv_cache_gib,
+               max_lora_rank, gpu_memory_utilization) -> None:
         self.model_path = os.path.abspath(model_path) if os.path.isdir(model_path) else str(model_path)
         cfg = _read_config(self.model_path)
         self.tok = tokenizer
         self.adapter = adapter
-        self.workdir = os.path.abspath(workdir)
-        os.makedirs(self.workdir, exist_ok=True)
         self.on_cpu = bool(self._v.platform.is_cpu())
         self.seed = int(seed)
         if max_model_len < 2:
@@ -259,11 +262,11 @@ class VLLMBackend:
         if dtype == "auto":
             dtype = _checkpoint_dtype(cfg) or "auto"
         self.dtype = dtype
-        self.stop_ids: List[int] = _stop_ids(tokenizer, types.SimpleNamespace(
+        self.stop_ids: List[int] = stop_ids(tokenizer, types.SimpleNamespace(
             generation_config=self._generation_config()))
         self._stop = set(self.stop_ids)
-        self._states: "collections.OrderedDict[str, object]" = collections.OrderedDict()
-        self._next_id = 1
+        self._states = LoRAStates(adapter, self.workdir, self._v.LoRARequest,
+                                  remove=lambda int_id: self.llm.llm_engine.remove_lora(int_id))
         self.last_token_ids: List[List[int]] = []
         self.last_logprobs: List[List[float]] = []
 
@@ -320,26 +323,7 @@ class VLLMBackend:
             got = state.numel() if isinstance(state, torch.Tensor) else type(state).__name__
             raise VLLMBackendError(f"state has {got} values but the adapter has P={self.adapter.numel} "
                                    f"B entries: pass the seat's flat B vector")
-        sha = state_hash(state)
-        req = self._states.get(sha)
-        if req is not None:
-            self._states.move_to_end(sha)
-            return req
-        path = self.adapter.export_peft(os.path.join(self.workdir, f"lora-{sha[:16]}"), state)
-        req = self._v.LoRARequest(f"state-{sha[:16]}", self._next_id, path)
-        self._next_id += 1
-        self._states[sha] = req
-        while len(self._states) > MAX_STATES:
-            _, old = self._states.popitem(last=False)
-            self._drop(old)
-        return req
-
-    def _drop(self, req) -> None:
-        try:
-            self.llm.llm_engine.remove_lora(req.lora_int_id)
-        except Exception:   # never loaded (no request used it) or the engine is gone
-            pass
-        shutil.rmtree(req.lora_path, ignore_errors=True)
+        return self._states.request(state)
 
     def _run(self, prompts, params, lora):
         try:
@@ -437,17 +421,20 @@ class VLLMBackend:
         return result
 
     def close(self) -> None:
-        """Stop the engine's processes and delete the exported adapters."""
+        """Stop the engine's processes and delete the exported adapters (and the work folder
+        when the backend made it). Safe to call again, and on a half-built backend."""
         llm = getattr(self, "llm", None)
         self.llm = None
-        for req in list(self._states.values()):
-            shutil.rmtree(req.lora_path, ignore_errors=True)
-        self._states.clear()
+        states = getattr(self, "_states", None)
+        if states is not None:
+            states.clear()
         if llm is not None:
             try:
                 llm.llm_engine.engine_core.shutdown()
             except Exception:
                 pass
+        if getattr(self, "_own_workdir", False):
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> "VLLMBackend":
         return self

@@ -17,8 +17,7 @@ by ``lora_targets``) and then:
   is moved to the model's device, kept fp32 and frozen. The draw depends only on the seed and
   the shapes, never on the device or the rank, so every rank gets the same bytes;
   :meth:`BOnlyLoRA.basis_hash` (sha256 over shapes and bytes, same order) lets ranks check
-  that with :func:`check_same_basis` (:func:`hash_to_int64_row` packs a hash into a
-  ``[1, 4]`` int64 row that a communicator's ``gather_rows`` can carry).
+  that with :func:`~admm_dist.model.vectors.check_same_basis`.
 * **B**: *views* into one flat fp32 vector, no copies. ``self.flat`` (length ``P`` = total B
   entries, on the model's device) is the storage of the leaf ``self.param``; each lora_B
   weight's ``.data`` is ``flat[o:o+n].view(out, r)``. Likewise ``self.flat_grad`` is
@@ -32,31 +31,31 @@ by ``lora_targets``) and then:
   device first (``zero_grad``/``check_aliasing`` detect a broken alias and say so).
 * **dtypes**: with a bf16 backbone (GPU) A and B stay fp32; PEFT casts the layer input to the
   LoRA weight dtype and the sum back to the base output dtype.
+* **forward**: unless built with ``fast_path=False``, every wrapped layer runs the fused
+  B-only linear of :mod:`admm_dist.model.fused_lora` (one autograd op instead of PEFT's three).
 
-Files hold data, never code: :func:`save_vector` / :func:`load_vector` write and read a
-safetensors file with the flat vector under key ``"b"`` and JSON metadata (the adapter's
-identity: config, basis hash, layout, numel, plus the caller's fields), so loading a vector
-into a differently-built adapter is one clear :class:`AdapterError`.
-:meth:`BOnlyLoRA.export_peft` writes a standard PEFT adapter folder that
-``PeftModel.from_pretrained(base, folder)`` loads.
+:meth:`BOnlyLoRA.save` / :meth:`BOnlyLoRA.load` write and read the B vector with its identity
+through :mod:`admm_dist.model.vectors` (the file format, the cross-rank basis checks, and
+:class:`AdapterError`, defined there and re-exported here). :meth:`BOnlyLoRA.export_peft`
+writes a standard PEFT adapter folder that ``PeftModel.from_pretrained(base, folder)`` loads.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import hashlib
-import json
 import math
 import os
 import shutil
 import struct
 import tempfile
-from collections import Counter
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from admm_dist.core.io import atomic_write_bytes
+from admm_dist.core.text import is_int
+from admm_dist.model.fused_lora import install_fused_forward
+from admm_dist.model.vectors import AdapterError, load_vector, save_vector
 
 LORA_TARGETS: Dict[str, Tuple[str, ...]] = {
     "attn_qv": ("q_proj", "v_proj"),
@@ -65,17 +64,6 @@ LORA_TARGETS: Dict[str, Tuple[str, ...]] = {
 }
 
 ADAPTER_NAME = "default"
-VECTOR_KEY = "b"
-VECTOR_FORMAT = "admm_dist.b_vector"
-VECTOR_FORMAT_VERSION = 1
-
-
-class AdapterError(ValueError):
-    """The adapter cannot be built, or a vector/file does not fit it; the message names the fix."""
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,20 +77,20 @@ class AdapterConfig:
     lora_basis_seed: int = 42
 
     def __post_init__(self) -> None:
-        if not _is_int(self.lora_rank) or self.lora_rank < 1:
+        if not is_int(self.lora_rank) or self.lora_rank < 1:
             raise AdapterError(f"lora_rank={self.lora_rank!r} is invalid: use an integer >= 1 (e.g. 16)")
         alpha = self.lora_alpha
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) \
                 or alpha <= 0:
             raise AdapterError(f"lora_alpha={alpha!r} is invalid: use a positive finite number "
                                f"(the LoRA scale is lora_alpha / lora_rank; e.g. 16)")
-        if not _is_int(self.lora_layers_last) or self.lora_layers_last < 1:
+        if not is_int(self.lora_layers_last) or self.lora_layers_last < 1:
             raise AdapterError(f"lora_layers_last={self.lora_layers_last!r} is invalid: use an integer "
                                f">= 1 (LoRA goes on the last lora_layers_last decoder layers)")
         if self.lora_targets not in LORA_TARGETS:
             raise AdapterError(f"lora_targets={self.lora_targets!r} is unknown: use one of "
                                f"{', '.join(sorted(LORA_TARGETS))}")
-        if not _is_int(self.lora_basis_seed) or not 0 <= self.lora_basis_seed < 2 ** 63:
+        if not is_int(self.lora_basis_seed) or not 0 <= self.lora_basis_seed < 2 ** 63:
             raise AdapterError(f"lora_basis_seed={self.lora_basis_seed!r} is invalid: use an integer "
                                f"in [0, 2**63) (the same on every rank)")
 
@@ -131,7 +119,7 @@ def _num_layers(model) -> int:
     if hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()
     n = getattr(cfg, "num_hidden_layers", None)
-    if not _is_int(n):
+    if not is_int(n):
         raise AdapterError(f"cannot tell how many decoder layers {type(model).__name__} has "
                            f"(its config has no num_hidden_layers): use a transformers causal LM")
     return n
@@ -247,7 +235,7 @@ class BOnlyLoRA:
         self.check_aliasing()
         if fast_path:
             for _, mod in lora_layers:
-                _install_fast_forward(mod)
+                install_fused_forward(mod, ADAPTER_NAME)
 
     # ------------------------------------------------------------------ state
     @property
@@ -260,6 +248,7 @@ class BOnlyLoRA:
         return list(self._layout)
 
     def module_names(self) -> List[str]:
+        """The LoRA-wrapped module names, in vector order."""
         return list(self._names)
 
     def basis_hash(self, *, recompute: bool = False) -> str:
@@ -395,212 +384,3 @@ def _fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# ---------------------------------------------------------------------- fast B-only forward
-class _BOnlyLinear(torch.autograd.Function):
-    """y = x W^T + b + s (x A^T) B^T with W, b and A frozen: one op, gradients for x and B only.
-
-    PEFT's generic LoRA forward builds three autograd nodes per layer (A, B, the scaled
-    add) and keeps their inputs. Here, in fp32, W + s B A is formed once (out x in, r
-    multiply-adds per entry) and used for both passes; with a lower-precision base (bf16 on
-    GPU) the base product stays in its dtype and only the rank-r path runs in fp32, as in
-    PEFT. The backward returns dL/dx and dL/dB = s g^T (x A^T); nothing else.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, a, b, scale):
-        xa = torch.nn.functional.linear(x.to(a.dtype), a)             # [..., r]
-        if weight.dtype == a.dtype and x.dtype == a.dtype:
-            w_eff = torch.addmm(weight, b, a, alpha=scale)          # W + s B A
-            y = torch.nn.functional.linear(x, w_eff, bias)
-            ctx.save_for_backward(w_eff, xa, a, b)
-            ctx.merged = True
-        else:
-            base = torch.nn.functional.linear(x, weight, bias)
-            out = base.shape[-1]
-            y = torch.addmm(base.reshape(-1, out).to(a.dtype), xa.reshape(-1, xa.shape[-1]), b.t(),
-                            alpha=scale).reshape(base.shape).to(base.dtype)
-            ctx.save_for_backward(weight, xa, a, b)
-            ctx.merged = False
-        ctx.scale = scale
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        w, xa, a, b = ctx.saved_tensors
-        s = ctx.scale
-        gx = gb = None
-        out, r = b.shape
-        if ctx.needs_input_grad[0]:
-            if ctx.merged:
-                gx = g @ w
-            else:
-                gx = (g @ w) + (s * ((g.to(b.dtype) @ b) @ a)).to(g.dtype)
-        if ctx.needs_input_grad[4]:
-            gb = s * (g.reshape(-1, out).to(b.dtype).t() @ xa.reshape(-1, r))
-        return gx, None, None, None, gb, None
-
-
-def _install_fast_forward(layer) -> None:
-    """Route the layer's enabled-adapter forward through :class:`_BOnlyLinear`.
-
-    Anything else (adapters disabled, merged weights, mixed adapter batches, extra
-    arguments, dropout) keeps PEFT's own forward.
-    """
-    generic = layer.forward
-
-    def forward(x, *args, **kwargs):
-        if (args or kwargs or layer.disable_adapters or layer.merged
-                or ADAPTER_NAME not in layer.active_adapters
-                or not isinstance(layer.lora_dropout[ADAPTER_NAME], torch.nn.Identity)):
-            return generic(x, *args, **kwargs)
-        base = layer.base_layer
-        return _BOnlyLinear.apply(x, base.weight, base.bias, layer.lora_A[ADAPTER_NAME].weight,
-                                  layer.lora_B[ADAPTER_NAME].weight, layer.scaling[ADAPTER_NAME])
-
-    layer.forward = forward
-
-
-# ---------------------------------------------------------------------- vector files
-def save_vector(path: str, vec: torch.Tensor, meta: Optional[Dict[str, Any]] = None, *,
-                adapter: Optional[BOnlyLoRA] = None) -> None:
-    """Write ``vec`` (1-D, stored fp32) to a safetensors file under key "b", atomically.
-
-    ``meta`` (JSON-serialisable) goes into the safetensors metadata; with ``adapter`` its
-    identity (config, basis hash, layout, numel) is added under ``meta["adapter"]``, which
-    :func:`load_vector` checks against the adapter it loads into.
-    """
-    from safetensors.torch import save as st_save
-
-    if not isinstance(vec, torch.Tensor):
-        raise AdapterError(f"save_vector expects a tensor, got {type(vec).__name__}")
-    if not vec.is_floating_point():
-        raise AdapterError(f"save_vector expects a float vector, got dtype {vec.dtype}")
-    meta = dict(meta or {})
-    if adapter is not None:
-        if vec.numel() != adapter.numel:
-            raise AdapterError(f"save_vector: vector has {vec.numel()} values but the adapter has "
-                               f"P={adapter.numel}")
-        meta["adapter"] = adapter.identity()
-    flat = vec.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
-    try:
-        meta_json = json.dumps(meta, allow_nan=False, sort_keys=True)
-    except (TypeError, ValueError) as exc:
-        raise AdapterError(f"save_vector: meta is not plain JSON ({exc}): pass str/int/float/list/dict "
-                           f"values") from exc
-    header = {"format": VECTOR_FORMAT, "format_version": str(VECTOR_FORMAT_VERSION),
-              "numel": str(flat.numel()), "meta": meta_json}
-    atomic_write_bytes(path, st_save({VECTOR_KEY: flat}, metadata=header))
-
-
-def load_vector(path: str, expect: Optional[BOnlyLoRA] = None) -> Tuple[torch.Tensor, Dict[str, Any]]:
-    """Read a file written by :func:`save_vector`: returns (fp32 CPU vector, meta).
-
-    With ``expect``, the file's adapter identity must match that adapter (config fields,
-    numel, basis hash, layout), else AdapterError names the field that differs.
-    """
-    from safetensors import safe_open
-
-    if not os.path.isfile(path):
-        raise AdapterError(f"no B-vector file at {path}: check the path (it is written by save_vector)")
-    try:
-        with safe_open(path, framework="pt", device="cpu") as fh:
-            header = fh.metadata() or {}
-            keys = list(fh.keys())
-            if VECTOR_KEY not in keys:
-                raise AdapterError(f"{path} is a safetensors file without key {VECTOR_KEY!r} (keys: "
-                                   f"{keys[:5]}): it is not a B vector written by save_vector")
-            vec = fh.get_tensor(VECTOR_KEY)
-    except AdapterError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types for bad headers/data
-        raise AdapterError(f"{path} is not a readable safetensors file ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''}): it is corrupt or "
-                           f"truncated; re-create it") from None
-    if header.get("format") != VECTOR_FORMAT:
-        raise AdapterError(f"{path} has format {header.get('format')!r}, not {VECTOR_FORMAT!r}: it is "
-                           f"not a B vector written by save_vector")
-    try:
-        version = int(header.get("format_version", "0"))
-    except ValueError:
-        version = -1
-    if version != VECTOR_FORMAT_VERSION:
-        raise AdapterError(f"{path} has format version {header.get('format_version')!r}, this code reads "
-                           f"version {VECTOR_FORMAT_VERSION}: re-save it with this version")
-    try:
-        meta = json.loads(header.get("meta", "{}"))
-    except json.JSONDecodeError:
-        raise AdapterError(f"{path} has unreadable metadata JSON: it is corrupt; re-create it") from None
-    if vec.dim() != 1 or vec.dtype != torch.float32:
-        raise AdapterError(f"{path}: key {VECTOR_KEY!r} is {vec.dtype} of shape {tuple(vec.shape)}, "
-                           f"expected a 1-D float32 vector: re-create it with save_vector")
-    if str(vec.numel()) != header.get("numel"):
-        raise AdapterError(f"{path}: the vector has {vec.numel()} values but its header says "
-                           f"{header.get('numel')}: it is corrupt; re-create it")
-    if expect is not None:
-        _check_identity(path, meta.get("adapter"), expect)
-    return vec, meta
-
-
-def _check_identity(path: str, ident: Any, adapter: BOnlyLoRA) -> None:
-    fix = "build the adapter with the file's settings and backbone, or start from a zero vector"
-    if not isinstance(ident, dict):
-        raise AdapterError(f"{path} carries no adapter identity (saved without adapter=): re-save it "
-                           f"with save_vector(..., adapter=...) or load it with expect=None")
-    mine = adapter.identity()
-    theirs_cfg = ident.get("config")
-    if not isinstance(theirs_cfg, dict):
-        raise AdapterError(f"{path}: adapter identity has no config: re-save it with save_vector")
-    for key, value in mine["config"].items():
-        if theirs_cfg.get(key) != value:
-            raise AdapterError(f"{path} was built with {key}={theirs_cfg.get(key)!r} but this adapter has "
-                               f"{key}={value!r}: {fix}")
-    if ident.get("numel") != mine["numel"]:
-        raise AdapterError(f"{path} holds P={ident.get('numel')} B entries but this adapter has "
-                           f"P={mine['numel']} (same adapter config, another backbone shape): {fix}")
-    if ident.get("basis_hash") != mine["basis_hash"]:
-        raise AdapterError(f"{path} was trained on lora A basis {str(ident.get('basis_hash'))[:12]}... but "
-                           f"this adapter's basis is {mine['basis_hash'][:12]}...: use the same "
-                           f"lora_basis_seed, backbone and torch version as the file")
-    if ident.get("layout") != mine["layout"]:
-        raise AdapterError(f"{path} has another B layout (module names/shapes/offsets) than this "
-                           f"adapter: {fix}")
-
-
-# ---------------------------------------------------------------------- cross-rank checks
-def check_same_basis(hashes: Sequence[str]) -> None:
-    """Raise AdapterError if the ranks' basis hashes (index = rank) are not all equal."""
-    hashes = [str(h) for h in hashes]
-    if len(set(hashes)) <= 1:
-        return
-    counts = Counter(hashes)
-    top = max(counts.values())
-    # the most common hash is the reference; on a tie, rank 0's
-    ref = hashes[0] if counts[hashes[0]] == top else next(h for h in hashes if counts[h] == top)
-    odd = [r for r, h in enumerate(hashes) if h != ref]
-    same = [r for r, h in enumerate(hashes) if h == ref]
-    raise AdapterError(f"lora A basis differs across ranks: ranks {odd} have basis hash(es) "
-                       f"{sorted({hashes[r][:12] for r in odd})} but ranks {same} have {ref[:12]}; "
-                       f"use the same lora_basis_seed and backbone (and lora_targets, "
-                       f"lora_layers_last, lora_rank) on every rank")
-
-
-def hash_to_int64_row(hex_hash: str) -> torch.Tensor:
-    """A sha256 hex digest as a [1, 4] int64 tensor (for a communicator's gather_rows)."""
-    if not isinstance(hex_hash, str) or len(hex_hash) != 64:
-        raise AdapterError(f"expected a 64-character sha256 hex digest, got {hex_hash!r}")
-    try:
-        words = [int(hex_hash[i:i + 16], 16) for i in range(0, 64, 16)]
-    except ValueError:
-        raise AdapterError(f"not a hex digest: {hex_hash!r}") from None
-    signed = [w - (1 << 64) if w >= (1 << 63) else w for w in words]
-    return torch.tensor([signed], dtype=torch.int64)
-
-
-def int64_row_to_hash(row: torch.Tensor) -> str:
-    """Inverse of :func:`hash_to_int64_row` (one row of 4 int64 values)."""
-    vals = [int(v) for v in row.reshape(-1).tolist()]
-    if len(vals) != 4:
-        raise AdapterError(f"expected 4 int64 values, got {len(vals)}")
-    return "".join(f"{v % (1 << 64):016x}" for v in vals)

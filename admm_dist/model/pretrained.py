@@ -31,6 +31,7 @@ import tempfile
 from typing import Dict, Optional
 
 from admm_dist.core import io as aio
+from admm_dist.core.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ MODELS: Dict[str, Packaged] = {
 }
 
 
-class PretrainedError(RuntimeError):
+class PretrainedError(UserError):
     """A model cannot be built; the message names the fix."""
 
 

@@ -6,8 +6,9 @@ backbone. :func:`get` resolves a name with a clear error; :func:`load` returns t
 
 The ``tasks`` layer owns the task registry (:mod:`~admm_dist.tasks.registry`), the loaders
 (:mod:`~admm_dist.tasks.common` and one module per family), scoring
-(:mod:`~admm_dist.tasks.scoring`) and the code sandbox (:mod:`~admm_dist.tasks.sandbox`). It
-imports only :mod:`admm_dist.core`.
+(:mod:`~admm_dist.tasks.scoring`) and the code sandbox (:mod:`~admm_dist.tasks.sandbox`, with
+bubblewrap's command line in :mod:`~admm_dist.tasks.bubblewrap`). It imports only
+:mod:`admm_dist.core`.
 """
 from admm_dist.tasks.registry import (  # noqa: F401  (the package's face)
     ANSWER_TYPES, REGISTRY, TaskSpec, get, load, register, score)

@@ -18,13 +18,14 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 from admm_dist.tasks.registry import TaskSpec, register
+from admm_dist.core.errors import UserError
 
 OPS = ("+", "-", "*")
 EVAL_SHARE = 0.2
 POOL = 2000          # rows per split by default: room for a tight evaluation and many collections
 
 
-def _apply(value: int, op: str, arg: int) -> int:
+def apply_op(value: int, op: str, arg: int) -> int:
     return value + arg if op == "+" else value - arg if op == "-" else value * arg
 
 
@@ -37,7 +38,7 @@ def make_item(rng: random.Random, n_ops: int = 3) -> Dict[str, object]:
         if op == "*" and (abs(value) > 30 or value == 0):  # short numbers; 0*k would be a no-op
             op = rng.choice("+-")
         arg = rng.randint(2, 3) if op == "*" else rng.randint(1, 9)
-        value = _apply(value, op, arg)
+        value = apply_op(value, op, arg)
         ops.append(f"{op}{arg}")
         steps.append(value)
     question = f"Start {start}: {' '.join(ops)}"
@@ -57,12 +58,12 @@ def load_chain_arith(split: str = "eval", n: Optional[int] = None, seed: int = 0
     deterministic in ``seed``; the first k items do not depend on ``n``. The question reads ``Start 12: +5 *3 -7``: compact, because the stand-in
     backbone reads characters."""
     if path is not None:
-        raise ValueError("chain_arith is generated from its seed and reads no file: drop the path")
+        raise UserError("chain_arith is generated from its seed and reads no file: drop the path")
     n = POOL if n is None else n
     if split not in ("train", "eval"):
-        raise ValueError(f"split={split!r}: use train or eval")
+        raise UserError(f"split={split!r}: use train or eval")
     if n < 1 or n_ops < 1:
-        raise ValueError("n and n_ops must be >= 1")
+        raise UserError("n and n_ops must be >= 1")
     rng = random.Random(f"chain_arith|{seed}|{n_ops}")
     seen, out = set(), []
     for _ in range(200 * n):
@@ -74,7 +75,7 @@ def load_chain_arith(split: str = "eval", n: Optional[int] = None, seed: int = 0
             out.append(item)
             if len(out) == n:
                 return out
-    raise ValueError(f"could not draw {n} distinct {split} items with n_ops={n_ops}: ask for fewer")
+    raise UserError(f"could not draw {n} distinct {split} items with n_ops={n_ops}: ask for fewer")
 
 
 _ANSWER = re.compile(r"Answer:\s*(-?\d+)")
@@ -121,7 +122,7 @@ def _one_op_items() -> List[Dict[str, object]]:
         for op, args in (("+", range(1, 10)), ("-", range(1, 10)), ("*", (2, 3) if start <= 30 else ())):
             for arg in args:
                 q = f"Start {start}: {op}{arg}"
-                value = _apply(start, op, arg)
+                value = apply_op(start, op, arg)
                 out.append({"question": q, "gold": str(value), "answer_type": "number",
                             "anchor": hashlib.sha1(q.encode()).hexdigest()[:16], "start": start,
                             "ops": [f"{op}{arg}"], "steps": [value]})
@@ -136,13 +137,13 @@ def load_word_arith(split: str = "eval", n: Optional[int] = None, seed: int = 0,
     if n_ops > 1:
         return [in_words(it) for it in load_chain_arith(split, n, seed, path, n_ops)]
     if path is not None:
-        raise ValueError("word_arith is generated from its seed and reads no file: drop the path")
+        raise UserError("word_arith is generated from its seed and reads no file: drop the path")
     if split not in ("train", "eval"):
-        raise ValueError(f"split={split!r}: use train or eval")
+        raise UserError(f"split={split!r}: use train or eval")
     items = [it for it in _one_op_items() if split_of(it) == split]
     random.Random(f"word_arith|{seed}").shuffle(items)
     if n is not None and not 1 <= n <= len(items):
-        raise ValueError(f"word_arith has {len(items)} one-operation {split} problems: ask for 1 to {len(items)}")
+        raise UserError(f"word_arith has {len(items)} one-operation {split} problems: ask for 1 to {len(items)}")
     return [in_words(it) for it in items[:n]]
 
 

@@ -20,6 +20,7 @@ from typing import List
 
 from admm_dist.tasks.registry import TaskSpec, register
 from admm_dist.tasks.common import Hub, build, choice_item, col, structured
+from admm_dist.core.errors import UserError
 
 GPQA = Hub("Idavidrein/gpqa", ("gpqa_diamond",), splits=(("eval", "train"), ("train", "train")))
 ARC_EASY = Hub("allenai/ai2_arc", ("ARC-Easy",))
@@ -31,7 +32,7 @@ WINOGRANDE = Hub("allenai/winogrande", ("winogrande_xl",), splits=(("eval", "val
 def _gold_index(where: str, keys: List[str], key) -> int:
     key = str(key).strip()
     if key not in keys:
-        raise ValueError(f"{where}: answer {key!r} is not one of the option labels {keys}")
+        raise UserError(f"{where}: answer {key!r} is not one of the option labels {keys}")
     return keys.index(key)
 
 

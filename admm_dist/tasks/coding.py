@@ -19,6 +19,7 @@ from typing import List
 
 from admm_dist.tasks.registry import TaskSpec, register
 from admm_dist.tasks.common import Hub, build, col, make_item, structured
+from admm_dist.core.errors import UserError
 
 MBPPPLUS = Hub("evalplus/mbppplus", splits=(("eval", "test"), ("train", "test")))
 HUMANEVALPLUS = Hub("evalplus/humanevalplus", splits=(("eval", "test"), ("train", "test")))
@@ -41,7 +42,7 @@ def _mbpp_entry(where: str, row: dict, asserts: List[str]) -> str:
             return name
     if defined:
         return defined[-1]
-    raise ValueError(f"{where}: missing column 'entry_point' (and no 'code' to find it in)")
+    raise UserError(f"{where}: missing column 'entry_point' (and no 'code' to find it in)")
 
 
 def _mbpp_item(where: str, row: dict) -> dict:
@@ -50,7 +51,7 @@ def _mbpp_item(where: str, row: dict) -> dict:
     imports = "\n".join(_strings(row.get("test_imports"), where, "test_imports"))
     tests = col(row, "test", where, default="") or "\n".join(asserts)
     if not tests:
-        raise ValueError(f"{where}: missing column 'test' (or 'test_list')")
+        raise UserError(f"{where}: missing column 'test' (or 'test_list')")
     entry = _mbpp_entry(where, row, asserts)
     shown = f"Your code should pass this test:\n{asserts[0]}" if asserts else f"Name the function `{entry}`."
     gold = "\n".join(p for p in (imports, tests) if p)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
+from admm_dist.core.errors import UserError
 
 LETTERS = "ABCDEFGHIJ"
 Row = Tuple[str, dict]  # (where, row)
@@ -48,7 +49,7 @@ def make_item(task: str, answer_type: str, question: str, gold: str, stem: str =
 def lettered(options: Sequence[str]) -> str:
     """``A) first\\nB) second ...``"""
     if not 2 <= len(options) <= len(LETTERS):
-        raise ValueError(f"{len(options)} options: a choice item needs 2 to {len(LETTERS)}")
+        raise UserError(f"{len(options)} options: a choice item needs 2 to {len(LETTERS)}")
     return "\n".join(f"{LETTERS[k]}) {str(o).strip()}" for k, o in enumerate(options))
 
 
@@ -69,7 +70,7 @@ def col(row: dict, names, where: str, default=KeyError):
     if default is not KeyError:
         return default
     wanted = " or ".join(repr(n) for n in names)
-    raise ValueError(f"{where}: missing column {wanted} (columns: {', '.join(map(str, row))})")
+    raise UserError(f"{where}: missing column {wanted} (columns: {', '.join(map(str, row))})")
 
 
 def structured(value, where: str, name: str):
@@ -81,7 +82,7 @@ def structured(value, where: str, name: str):
             return parse(value)
         except (ValueError, SyntaxError):
             pass
-    raise ValueError(f"{where}: column {name!r} is not a list or mapping: {value[:60]!r}")
+    raise UserError(f"{where}: column {name!r} is not a list or mapping: {value[:60]!r}")
 
 
 def read_file(path: str) -> List[dict]:
@@ -101,9 +102,9 @@ def read_file(path: str) -> List[dict]:
             except json.JSONDecodeError:  # a JSONL file named .json
                 data = [json.loads(line) for line in text.splitlines() if line.strip()]
         else:
-            raise ValueError(f"task file {path}: unknown format {ext or '(none)'!r}; use .json, .jsonl or .csv")
+            raise UserError(f"task file {path}: unknown format {ext or '(none)'!r}; use .json, .jsonl or .csv")
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise ValueError(f"task file {path}: expected a list of objects (one per row)")
+        raise UserError(f"task file {path}: expected a list of objects (one per row)")
     return data
 
 
@@ -124,7 +125,7 @@ def hub_rows(task: str, hub: Hub, split: str, **kw) -> List[dict]:
 def rows(task: str, hub: Hub, split: str, n: Optional[int], path: Optional[str], kw: Dict) -> List[Row]:
     """The first ``n`` rows (all when None), each with its ``where`` label for errors."""
     if n is not None and n < 1:
-        raise ValueError(f"task {task}: n={n}; ask for at least one item or pass n=None for all")
+        raise UserError(f"task {task}: n={n}; ask for at least one item or pass n=None for all")
     if path is not None:
         data, src = read_file(path), os.path.basename(path)
     else:

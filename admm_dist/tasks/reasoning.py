@@ -12,6 +12,7 @@ from typing import List
 from admm_dist.tasks.scoring import extract_number
 from admm_dist.tasks.registry import TaskSpec, register
 from admm_dist.tasks.common import Hub, build, col, make_item
+from admm_dist.core.errors import UserError
 
 GSM8K = Hub("openai/gsm8k", ("main",))
 AIME2024 = Hub("HuggingFaceH4/aime_2024", splits=(("eval", "train"), ("train", "train")))
@@ -23,7 +24,7 @@ _FINAL = re.compile(r"####\s*(.+?)\s*$", re.S)
 def _number(where: str, value) -> str:
     gold = extract_number(str(value))
     if gold is None:
-        raise ValueError(f"{where}: answer {str(value)[:40]!r} holds no number")
+        raise UserError(f"{where}: answer {str(value)[:40]!r} holds no number")
     return gold
 
 
@@ -31,7 +32,7 @@ def _gsm8k_item(where: str, row: dict) -> dict:
     question, solution = col(row, "question", where), str(col(row, "answer", where))
     final = _FINAL.search(solution)
     if not final:
-        raise ValueError(f"{where}: answer has no final '#### N' line (the GSM8K format)")
+        raise UserError(f"{where}: answer has no final '#### N' line (the GSM8K format)")
     return make_item("gsm8k", "number", question, _number(where, final.group(1)),
                      solution=solution[:final.start()].strip())
 

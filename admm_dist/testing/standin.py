@@ -39,9 +39,10 @@ import torch
 from admm_dist.core import io as aio
 from admm_dist.mas import ChainConfig, ChainRunner
 from admm_dist.tasks.scoring import extract_number, visible
-from admm_dist.tasks.chain_arith import _apply, load_chain_arith, score_chain_arith
+from admm_dist.tasks.chain_arith import apply_op, load_chain_arith, score_chain_arith
+from admm_dist.core.errors import UserError
 
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "assets" / "standin"
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / "assets" / "standin"   # admm_dist/testing/ -> repo
 PROMPT, WORDS = "sequential_v2", "compact"
 MAX_NEW_TOKENS = 16
 
@@ -64,7 +65,7 @@ def seat_message(seat: int, n_agents: int, value_in: int, op: str) -> Tuple[str,
     """Seat ``seat``'s correct message given the number it reads, and the number it states."""
     if seat == n_agents - 1:
         return f"Answer: {value_in}", value_in
-    out = _apply(value_in, op[0], int(op[1:]))
+    out = apply_op(value_in, op[0], int(op[1:]))
     return f"{value_in}{op}={out}", out
 
 
@@ -145,7 +146,7 @@ def train(out: str, *, seed: int = 0, threads: int = 2, log_every: int = 50,
 
     unknown = set(overrides) - set(RECIPE)
     if unknown:
-        raise ValueError(f"unknown recipe keys {sorted(unknown)}: use {', '.join(RECIPE)}")
+        raise UserError(f"unknown recipe keys {sorted(unknown)}: use {', '.join(RECIPE)}")
     rc = dict(RECIPE, **overrides)
     torch.set_num_threads(threads)
     t0 = time.time()
@@ -297,7 +298,7 @@ def check(folder: Optional[str] = None, *, n: int = 400, samples: int = 8, tempe
             got = extract_number(g.texts[seat])
             src = it["start"] if seat == 0 else extract_number(g.texts[seat - 1])
             try:
-                ok += got is not None and int(got) == _apply(int(src), it["ops"][seat][0], int(it["ops"][seat][1:]))
+                ok += got is not None and int(got) == apply_op(int(src), it["ops"][seat][0], int(it["ops"][seat][1:]))
             except (TypeError, ValueError):
                 pass
         seat_ok.append(ok / len(items))

@@ -28,11 +28,12 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from admm_dist.core.io import atomic_write_bytes, atomic_write_json
+from admm_dist.core.errors import UserError
 
 _ROUND_DIR = re.compile(r"^round-(\d{6})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError):
     """A checkpoint is missing, corrupt, or from another configuration."""
 
 

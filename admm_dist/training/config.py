@@ -15,8 +15,15 @@ import math
 import os
 from typing import Any, Dict, List, Optional
 
+from admm_dist.core.constants import DEFAULT_TIMEOUT_S
+from admm_dist.core.errors import UserError
+from admm_dist.engine.admm import ADMMConfig
+from admm_dist.model.adapter import LORA_TARGETS, AdapterConfig
+from admm_dist.model.objectives import FIT_MODES, TARGET_SPANS, ObjectiveConfig
 from admm_dist.engine.comm import MODES, TOPOLOGIES
-from admm_dist.mas.prompts import role_name
+from admm_dist.data.fitset import PARTITION_MODES
+from admm_dist.mas.collection import CREDITS, REWARDS
+from admm_dist.mas.prompts import prompt_modes, role_name
 from admm_dist.mas.seats import GENERATION_BACKENDS, ROLE_SETS, adapted_seats, parse_agent_models
 
 # Keys that do not change what is computed: a checkpoint or a fit set made under
@@ -24,7 +31,7 @@ from admm_dist.mas.seats import GENERATION_BACKENDS, ROLE_SETS, adapted_seats, p
 NON_SEMANTIC = frozenset({
     "out", "report_dir", "quiet", "resume", "checkpoint_every", "keep_checkpoints",
     "k_outer", "timeout_s", "export_peft", "dry_run", "backend", "device", "dev_every",
-    "fault_at", "gen_batch_size", "overwrite", "max_delta_w_rel",
+    "gen_batch_size", "overwrite", "max_delta_w_rel",
     "vllm_max_model_len", "vllm_kv_cache_gib", "vllm_gpu_memory_utilization",
 })
 # Keys added after checkpoints were first written, with the value that reproduces them: they
@@ -32,7 +39,7 @@ NON_SEMANTIC = frozenset({
 LATER_KEYS = {"generation_backend": "hf"}
 def _choice(name: str, value: str, choices) -> None:
     if value not in choices:
-        raise ValueError(f"{name}={value!r}: choose one of {', '.join(map(str, choices))}")
+        raise UserError(f"{name}={value!r}: choose one of {', '.join(map(str, choices))}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,7 +52,7 @@ class TrainConfig:
     n_agents: int = 4
     adapt_roles: str = "all"
     backend: str = "auto"           # auto | process_group | local
-    timeout_s: float = 600.0        # bound on every collective
+    timeout_s: float = DEFAULT_TIMEOUT_S   # bound on every collective
 
     # the multi-agent system and on-policy collection (DESIGN.md section 5)
     task_path: Optional[str] = None       # local JSON/JSONL/CSV for the task instead of the hub
@@ -133,54 +140,50 @@ class TrainConfig:
     overwrite: bool = False         # a fresh run may replace the run already in `out`
     max_delta_w_rel: float = 10.0   # a result with ||dW||/||W|| above this diverged: refused
     export_peft: bool = False
-    fault_at: Optional[str] = None  # test-only: "ROUND:NODE" kills after that round's checkpoint,
-    #                                 "nan@ROUND:NODE" makes that node's loss NaN in that round
 
     def __post_init__(self) -> None:
-        _choice("adapt_roles", self.adapt_roles, ("all", "nonsink", "middle"))
+        _choice("adapt_roles", self.adapt_roles, ROLE_SETS)
         _choice("backend", self.backend, ("auto", "process_group", "local"))
         _choice("fit_filter", self.fit_filter, ("none", "drop_unclosed_think"))
-        _choice("partition", self.partition, ("seat", "anchor"))
+        _choice("partition", self.partition, PARTITION_MODES)
         _choice("empty_nodes", self.empty_nodes, ("error", "prox"))
-        _choice("fit_mode", self.fit_mode, ("dpo", "sft", "rsft"))
+        _choice("fit_mode", self.fit_mode, FIT_MODES)
         _choice("kl_ref", self.kl_ref, ("frozen", "collect"))
-        _choice("target_span", self.target_span, ("full", "visible"))
-        _choice("lora_targets", self.lora_targets, ("attn_qv", "attn_all", "attn_mlp"))
+        _choice("target_span", self.target_span, TARGET_SPANS)
+        _choice("lora_targets", self.lora_targets, tuple(LORA_TARGETS))
         _choice("consensus", self.consensus, MODES)
         _choice("topology", self.topology, TOPOLOGIES)
         _choice("resume", self.resume, ("never", "auto"))
         _choice("generation_backend", self.generation_backend, GENERATION_BACKENDS)
         if self.vllm_max_model_len < 16:
-            raise ValueError(f"vllm_max_model_len={self.vllm_max_model_len}: give the longest prompt + reply "
+            raise UserError(f"vllm_max_model_len={self.vllm_max_model_len}: give the longest prompt + reply "
                              "in tokens (e.g. 4096)")
         if not (math.isfinite(self.vllm_kv_cache_gib) and self.vllm_kv_cache_gib > 0):
-            raise ValueError(f"vllm_kv_cache_gib={self.vllm_kv_cache_gib}: give a size in GiB > 0 (e.g. 1)")
+            raise UserError(f"vllm_kv_cache_gib={self.vllm_kv_cache_gib}: give a size in GiB > 0 (e.g. 1)")
         if not 0 < self.vllm_gpu_memory_utilization < 1:
-            raise ValueError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}: give the "
+            raise UserError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}: give the "
                              "engine's share of GPU memory in (0, 1), e.g. 0.5")
-        from admm_dist.mas.prompts import prompt_modes
-
         _choice("prompt", self.prompt, prompt_modes())
         if self.fit_prompt is not None:
             _choice("fit_prompt", self.fit_prompt, prompt_modes())
-        _choice("credit", self.credit, ("shared", "per_role"))
-        _choice("reward", self.reward, ("outcome", "judge", "gold_likelihood"))
+        _choice("credit", self.credit, CREDITS)
+        _choice("reward", self.reward, REWARDS)
         for name in ("anchors", "group", "max_new_tokens", "gen_batch_size", "gen_chunk", "prefix_samples"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: it must be >= 1")
+                raise UserError(f"{name}={getattr(self, name)}: it must be >= 1")
         if self.prefix_samples > 1 and self.credit != "per_role":
-            raise ValueError(f"prefix_samples={self.prefix_samples} picks the prefix per_role credit branches "
+            raise UserError(f"prefix_samples={self.prefix_samples} picks the prefix per_role credit branches "
                              "from: use --credit per_role, or prefix_samples 1")
         if self.recollect_every < 0:
-            raise ValueError(f"recollect_every={self.recollect_every}: use 0 (collect once) or N >= 1 rounds")
+            raise UserError(f"recollect_every={self.recollect_every}: use 0 (collect once) or N >= 1 rounds")
         if self.sink_tokens is not None and self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens={self.sink_tokens}: use 0 (the last seat is silent) or a budget")
+            raise UserError(f"sink_tokens={self.sink_tokens}: use 0 (the last seat is silent) or a budget")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"temperature={self.temperature}: collection samples; use a value > 0 (e.g. 0.8)")
+            raise UserError(f"temperature={self.temperature}: collection samples; use a value > 0 (e.g. 0.8)")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: use a value in (0, 1]")
+            raise UserError(f"top_p={self.top_p}: use a value in (0, 1]")
         if self.anchor_pool is not None and self.anchor_pool < self.anchors:
-            raise ValueError(f"anchor_pool={self.anchor_pool} < anchors={self.anchors}: the pool must "
+            raise UserError(f"anchor_pool={self.anchor_pool} < anchors={self.anchors}: the pool must "
                              "hold at least the queries kept")
         self.pass_band()
         self.seat_backbones()
@@ -189,54 +192,58 @@ class TrainConfig:
                     "checkpoint_every", "keep_checkpoints", "gossip_steps")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: it must be >= 1")
+                raise UserError(f"{name}={getattr(self, name)}: it must be >= 1")
         self._check_out()
         if self.overwrite and self.resume == "auto":
-            raise ValueError("overwrite=true replaces the run in out=, resume=auto continues it: choose one")
+            raise UserError("overwrite=true replaces the run in out=, resume=auto continues it: choose one")
         for name in ("eta", "grad_clip", "lora_alpha", "timeout_s", "max_delta_w_rel"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"{name}={v}: it must be a finite number > 0")
+                raise UserError(f"{name}={v}: it must be a finite number > 0")
         for name in ("dpo_beta", "kl_beta", "rho"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name}={v}: it must be a finite number >= 0")
+                raise UserError(f"{name}={v}: it must be a finite number >= 0")
         if self.rho == 0 and not self.local_only:
-            raise ValueError("rho=0 decouples the nodes: use --local_only for that ablation")
+            raise UserError("rho=0 decouples the nodes: use --local_only for that ablation")
         if not 0 <= self.dev_frac < 1:
-            raise ValueError(f"dev_frac={self.dev_frac}: pass a held-out fraction in [0, 1), e.g. dev_frac=0.1 "
+            raise UserError(f"dev_frac={self.dev_frac}: pass a held-out fraction in [0, 1), e.g. dev_frac=0.1 "
                              "(0 holds out nothing)")
         if self.dedup_targets < 0:
-            raise ValueError(f"dedup_targets={self.dedup_targets}: use 0 (off) or a cap >= 1")
+            raise UserError(f"dedup_targets={self.dedup_targets}: use 0 (off) or a cap >= 1")
         if self.local_only and self.no_dual:
-            raise ValueError("local_only and no_dual are separate ablations: choose one")
+            raise UserError("local_only and no_dual are separate ablations: choose one")
         self.admm_config()   # rho_adapt / rho_mu / rho_tau say how to fix themselves
         if self.pooled and self.partition == "anchor":
-            raise ValueError("pooled puts every example on one node: drop --partition anchor")
+            raise UserError("pooled puts every example on one node: drop --partition anchor")
         if self.n_partitions < 0:
-            raise ValueError(f"n_partitions={self.n_partitions}: use 0 (one per seat) or >= 1")
-        if self.fault_at is not None:
-            parts = self.fault_at.removeprefix("nan@").split(":")
-            if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-                raise ValueError(f"fault_at={self.fault_at!r}: write ROUND:NODE or nan@ROUND:NODE, e.g. 3:1")
+            raise UserError(f"n_partitions={self.n_partitions}: use 0 (one per seat) or >= 1")
 
     def _check_out(self) -> None:
         """``out`` names a run (``runs/x`` -> runs/x/, runs/x-last.safetensors, ...); a trailing
         slash is dropped."""
         out = str(self.out).rstrip("/")
         if not out or os.path.basename(out) in (".", ".."):
-            raise ValueError(f"out={self.out!r}: name the run, e.g. out=runs/ring (its files go to runs/ring/, "
+            raise UserError(f"out={self.out!r}: name the run, e.g. out=runs/ring (its files go to runs/ring/, "
                              "runs/ring-last.safetensors and runs/ring.ckpt/)")
         object.__setattr__(self, "out", out)
         if not str(self.report_dir).strip():
-            raise ValueError("report_dir='': name a folder for the training report, e.g. report_dir=results")
+            raise UserError("report_dir='': name a folder for the training report, e.g. report_dir=results")
 
-    # -- derived --------------------------------------------------------------
-    def admm_config(self):
-        from admm_dist.engine.admm import ADMMConfig
-
+    # -- the component configs these flat keys map onto (the one place they are mapped) --
+    def admm_config(self) -> ADMMConfig:
         return ADMMConfig(rho=self.rho, local_only=self.local_only, no_dual=self.no_dual,
                           rho_adapt=self.rho_adapt, rho_mu=self.rho_mu, rho_tau=self.rho_tau)
+
+    def adapter_config(self) -> AdapterConfig:
+        return AdapterConfig(lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,
+                             lora_layers_last=self.lora_layers_last, lora_targets=self.lora_targets,
+                             lora_basis_seed=self.basis_seed)
+
+    def objective_config(self) -> ObjectiveConfig:
+        return ObjectiveConfig(fit_mode=self.fit_mode, dpo_beta=self.dpo_beta, kl_beta=self.kl_beta,
+                               target_span=self.target_span, max_prompt_tokens=self.max_prompt_tokens,
+                               max_target_tokens=self.max_target_tokens)
 
     @property
     def basis_seed(self) -> int:
@@ -252,9 +259,9 @@ class TrainConfig:
         try:
             lo, hi = (float(x) for x in str(self.anchor_pass_band).split(","))
         except ValueError:
-            raise ValueError(f"anchor_pass_band={self.anchor_pass_band!r}: write LO,HI, e.g. 0,1") from None
+            raise UserError(f"anchor_pass_band={self.anchor_pass_band!r}: write LO,HI, e.g. 0,1") from None
         if not 0.0 <= lo < hi <= 1.0:
-            raise ValueError(f"anchor_pass_band {lo},{hi} is not 0 <= LO < HI <= 1")
+            raise UserError(f"anchor_pass_band {lo},{hi} is not 0 <= LO < HI <= 1")
         return lo, hi
 
     def seat_backbones(self) -> Dict[int, str]:

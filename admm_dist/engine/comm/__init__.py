@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from admm_dist.core.constants import DEFAULT_TIMEOUT_S
+
 from admm_dist.engine.comm.base import MODES, CommError, Communicator, check_mode
 from admm_dist.engine.comm.local import LocalCommunicator
 from admm_dist.engine.comm.meter import (
@@ -18,6 +20,7 @@ from admm_dist.engine.comm.meter import (
 from admm_dist.engine.comm.process_group import (
     CoordinatorCommunicator, GossipCommunicator, ProcessGroupCommunicator, RingCommunicator)
 from admm_dist.engine.comm.topology import TOPOLOGIES, metropolis_weights, mixing_matrix, neighbours
+from admm_dist.core.errors import UserError
 
 _PG_IMPLS = {"coordinator": CoordinatorCommunicator, "ring": RingCommunicator,
              "gossip": GossipCommunicator}
@@ -33,16 +36,16 @@ def make_communicator(mode: str, *, n_nodes: int, topology: str = "ring", gossip
     """
     check_mode(mode, topology, gossip_steps)
     if backend not in ("auto", "process_group", "local"):
-        raise ValueError(f"backend={backend!r}: choose auto, process_group or local")
+        raise UserError(f"backend={backend!r}: choose auto, process_group or local")
     use_pg = backend == "process_group" or (backend == "auto" and dist.is_initialized())
     if not use_pg:
         return LocalCommunicator(mode=mode, n_nodes=n_nodes, topology=topology,
                                  gossip_steps=gossip_steps, meter=meter)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != n_nodes:
-        raise ValueError(f"world size {world} != number of nodes {n_nodes}: launch with "
+        raise UserError(f"world size {world} != number of nodes {n_nodes}: launch with "
                          f"torchrun --nproc_per_node {n_nodes} (one rank per node)")
-    return _PG_IMPLS[mode](timeout=timeout or datetime.timedelta(minutes=5), topology=topology,
+    return _PG_IMPLS[mode](timeout=timeout or datetime.timedelta(seconds=DEFAULT_TIMEOUT_S), topology=topology,
                            gossip_steps=gossip_steps, meter=meter)
 
 

@@ -23,21 +23,22 @@ import torch
 
 from admm_dist.engine.comm.meter import TELEMETRY, ByteMeter, ring_bytes_per_rank
 from admm_dist.engine.comm.topology import TOPOLOGIES, metropolis_weights, neighbours
+from admm_dist.core.errors import RunError, UserError
 
 MODES = ("coordinator", "ring", "gossip")
 
 
-class CommError(RuntimeError):
+class CommError(RunError):
     """A communication step failed (a peer died, timed out, or disagreed)."""
 
 
 def check_mode(mode: str, topology: str, gossip_steps: int) -> None:
     if mode not in MODES:
-        raise ValueError(f"consensus={mode!r} is unknown: choose one of {', '.join(MODES)}")
+        raise UserError(f"consensus={mode!r} is unknown: choose one of {', '.join(MODES)}")
     if topology not in TOPOLOGIES:
-        raise ValueError(f"topology={topology!r} is unknown: choose one of {', '.join(TOPOLOGIES)}")
+        raise UserError(f"topology={topology!r} is unknown: choose one of {', '.join(TOPOLOGIES)}")
     if mode == "gossip" and gossip_steps < 1:
-        raise ValueError(f"gossip_steps={gossip_steps}: gossip needs at least one mixing step (>= 1)")
+        raise UserError(f"gossip_steps={gossip_steps}: gossip needs at least one mixing step (>= 1)")
 
 
 def ring_accumulate(own: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
@@ -62,7 +63,7 @@ class Communicator(abc.ABC):
                  meter: Optional[ByteMeter] = None) -> None:
         check_mode(mode, topology, gossip_steps)
         if n_nodes < 1:
-            raise ValueError(f"n_nodes={n_nodes}: a consensus problem needs at least one node")
+            raise UserError(f"n_nodes={n_nodes}: a consensus problem needs at least one node")
         self.mode = mode
         self.n_nodes = int(n_nodes)
         self.nodes: Tuple[int, ...] = tuple(nodes)

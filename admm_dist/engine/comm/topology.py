@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from typing import Dict, List, Tuple
+from admm_dist.core.errors import UserError
 
 TOPOLOGIES = ("ring", "complete", "expander", "grid", "chain")
 
@@ -26,7 +27,7 @@ TOPOLOGIES = ("ring", "complete", "expander", "grid", "chain")
 def _grid_shape(n: int) -> Tuple[int, int]:
     rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
     if rows == 1 and n > 3:
-        raise ValueError(f"topology grid: {n} nodes form no rows x cols grid with rows, cols >= 2 "
+        raise UserError(f"topology grid: {n} nodes form no rows x cols grid with rows, cols >= 2 "
                          f"({n} is prime): use topology ring or chain, or a node count like {n + 1}")
     return rows, n // rows
 
@@ -34,9 +35,9 @@ def _grid_shape(n: int) -> Tuple[int, int]:
 def neighbours(topology: str, n: int) -> List[List[int]]:
     """Sorted neighbour lists of the graph on nodes 0..n-1."""
     if topology not in TOPOLOGIES:
-        raise ValueError(f"unknown topology {topology!r}: choose one of {', '.join(TOPOLOGIES)}")
+        raise UserError(f"unknown topology {topology!r}: choose one of {', '.join(TOPOLOGIES)}")
     if n < 1:
-        raise ValueError(f"a graph needs at least one node, got n={n}")
+        raise UserError(f"a graph needs at least one node, got n={n}")
     edges = set()
 
     def link(i: int, j: int) -> None:

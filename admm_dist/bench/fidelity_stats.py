@@ -1,0 +1,176 @@
+"""The statistics and the summary of the learning benchmark (``python -m admm_dist.bench.fidelity``).
+
+It owns how the per-seed results become figures: :func:`crossed_bootstrap` (the 95% interval
+resampling seeds and rows), :func:`t_interval` (over seeds only), :func:`summarize` (the
+benchmark's JSON: per arm and mode the accuracy, gain and intervals, and each arm's training
+traces), :func:`format_table` (the printed table) and :func:`draw` (the PNG figure).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Sequence
+
+from admm_dist.bench.fidelity_run import BASE, REFERENCE, BenchError
+
+
+def crossed_bootstrap(d, boot: int, seed: int = 0):
+    """95% percentile interval of the mean of d[s, r] resampling seeds and rows independently."""
+    import numpy as np
+
+    d = np.asarray(d, dtype=np.float64)
+    S, R = d.shape
+    rng = np.random.default_rng(seed)
+    means = np.empty(boot)
+    for b in range(boot):
+        rs = rng.integers(0, R, R)
+        if S > 1:
+            ss = rng.integers(0, S, S)
+            means[b] = d[ss][:, rs].mean()
+        else:
+            means[b] = d[0, rs].mean()
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+# two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (then the normal's)
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042)
+
+
+def t_interval(values: Sequence[float]):
+    """95% t-interval of the mean of per-seed values (None with one seed)."""
+    n = len(values)
+    if n < 2:
+        return None
+    m = sum(values) / n
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
+    h = (T975[n - 2] if n - 1 <= len(T975) else 1.96) * sd / math.sqrt(n)
+    return [m - h, m + h]
+
+
+def summarize(args, base: dict, seeds: List[dict]) -> Dict[str, object]:
+    """The benchmark's JSON: per arm and mode, per-seed accuracy, mean, gain and intervals."""
+    modes = [m for m in ("greedy", "sampled") if m in base["rows"]]
+    out: Dict[str, object] = {"modes": {}, "arms": {}, "seeds": [s["seed"] for s in seeds]}
+    for mode in modes:
+        b = base["rows"][mode]
+        table = {BASE: {"accuracy": [sum(b) / len(b)] * len(seeds), "mean": sum(b) / len(b)}}
+        rows_of = {}
+        for name in args.arm_list:
+            per = [s["arms"][name] for s in seeds]
+            if any(p.get("refused") for p in per):
+                table[name] = {"refused": {str(s["seed"]): s["arms"][name]["refused"] for s in seeds
+                                           if s["arms"][name].get("refused")}}
+                continue
+            for p in per:
+                if p["rows"][mode + "_anchors"] != base["rows"][mode + "_anchors"]:
+                    raise BenchError(f"{name}: evaluated on other rows than the base: rerun without --reuse")
+            rows = [p["rows"][mode] for p in per]
+            rows_of[name] = rows
+            d = [[y - x for y, x in zip(r, b)] for r in rows]
+            gains = [sum(r) / len(r) for r in d]
+            acc = [sum(r) / len(r) for r in rows]
+            table[name] = {"accuracy": acc, "mean": sum(acc) / len(acc),
+                           "gain": sum(gains) / len(gains), "gain_per_seed": gains,
+                           "gain_ci95": list(crossed_bootstrap(d, args.boot)),
+                           "gain_ci95_seeds_t": t_interval(gains),
+                           "wins": sum(g > 0 for g in gains)}
+        if REFERENCE in rows_of:
+            ref = rows_of[REFERENCE]
+            for name, rows in rows_of.items():
+                if name == REFERENCE:
+                    continue
+                d = [[y - x for y, x in zip(r, q)] for r, q in zip(rows, ref)]
+                diff = [sum(r) / len(r) for r in d]
+                table[name]["minus_ref"] = sum(diff) / len(diff)
+                table[name]["minus_ref_ci95"] = list(crossed_bootstrap(d, args.boot, seed=1))
+        out["modes"][mode] = table
+    for name in args.arm_list:
+        per = [s["arms"][name] for s in seeds]
+        out["arms"][name] = {
+            "train_sec": [p.get("train_sec") for p in per],
+            "refused": [p.get("refused") for p in per],
+            "delta_w_rel": [p.get("delta_w_rel") for p in per],
+            "node_sizes": [p.get("node_sizes") for p in per],
+            "distance_to_centralized": [p.get("distance_to_centralized") for p in per],
+            "f": [p.get("f") for p in per], "primal_normalized": [p.get("primal_normalized") for p in per],
+        }
+    out["collection"] = [next((a.get("collection") for a in s["arms"].values() if a.get("collection")), None)
+                         for s in seeds]
+    return out
+
+
+def format_table(summary: Dict[str, object], args) -> str:
+    lines = []
+    seeds = summary["seeds"]
+    for mode, table in summary["modes"].items():
+        how = "greedy" if mode == "greedy" else f"sampled, {args.samples} chains a row"
+        lines.append(f"\n{mode} accuracy on {args.eval_n} held-out rows ({how}); gain = arm - base, "
+                     f"95% CI over seeds and rows")
+        head = f"{'arm':<13}" + "".join(f"{'s' + str(s):>7}" for s in seeds) + \
+            f"{'mean':>8}{'gain':>8}{'95% CI':>18}{'wins':>6}{'vs ring':>9}{'95% CI':>18}"
+        lines.append(head)
+        for name in [BASE] + list(args.arm_list):
+            r = table.get(name)
+            if r is None:
+                continue
+            if "refused" in r:
+                lines.append(f"{name:<13} refused on seed(s) {', '.join(r['refused'])}: "
+                             f"{next(iter(r['refused'].values()))[:80]}")
+                continue
+            row = f"{name:<13}" + "".join(f"{a:7.3f}" for a in r["accuracy"]) + f"{r['mean']:8.3f}"
+            if "gain" in r:
+                lo, hi = r["gain_ci95"]
+                row += f"{r['gain']:+8.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>18}{r['wins']:>4}/{len(seeds)}"
+                if "minus_ref" in r:
+                    lo, hi = r["minus_ref_ci95"]
+                    row += f"{r['minus_ref']:+9.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>18}"
+            lines.append(row)
+    return "\n".join(lines)
+
+
+def draw(summary: Dict[str, object], path: str, args) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from admm_dist.core.io import atomic_write_bytes
+
+    modes = list(summary["modes"])
+    fig, axes = plt.subplots(1, len(modes) + 2, figsize=(5 * (len(modes) + 2), 4.2))
+    for ax, mode in zip(axes, modes):
+        table = summary["modes"][mode]
+        names = [n for n in [BASE] + list(args.arm_list) if n in table and "refused" not in table[n]]
+        base = table[BASE]["mean"]
+        for i, n in enumerate(names):
+            r = table[n]
+            ax.bar(i, r["mean"], color="lightgray" if n == BASE else "C0", alpha=0.8)
+            ax.scatter([i] * len(r["accuracy"]), r["accuracy"], color="k", s=10, zorder=3)
+            if "gain_ci95" in r:
+                lo, hi = r["gain_ci95"]
+                ax.errorbar(i, r["mean"], yerr=[[r["gain"] - lo], [hi - r["gain"]]], color="C3", capsize=4)
+        ax.axhline(base, color="gray", lw=0.8, ls="--")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"{mode} accuracy (bars: mean over seeds; red: 95% CI of the gain)", fontsize=8)
+    for ax, key, title in ((axes[-2], "f", "local objective f_i (mean over nodes)"),
+                           (axes[-1], "primal_normalized", "max normalized primal residual")):
+        for j, name in enumerate(args.arm_list):
+            runs = [r for r in summary["arms"][name][key] if r]
+            if not runs:
+                continue
+            agg = [(sum(v) / len(v)) if key == "f" else max(v) for v in zip(*[[
+                (sum(row) / len(row) if key == "f" else max(row)) for row in run] for run in runs])]
+            ax.plot(range(1, len(agg) + 1), agg, marker="o", ms=3, label=name, color=f"C{j}")
+        ax.set_xlabel("round")
+        ax.set_title(title + ", mean over seeds" if key == "f" else title + ", worst seed", fontsize=8)
+        if key != "f":
+            ax.set_yscale("symlog", linthresh=1e-3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())

@@ -1,0 +1,110 @@
+"""Saving a round and resuming from the last round every rank completed.
+
+A checkpoint of round k holds, per node, x, z, u, the Adam moments, the CPU RNG state, the
+sampler's position, the round history, the dev curve, the adaptive rho and the best round
+(files: :mod:`admm_dist.training.checkpoint`). Resuming restores exactly that, so a resumed
+run continues bit for bit as if it had not stopped.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
+
+import torch
+
+from admm_dist.core.errors import UserError
+from admm_dist.engine.admm import RoundRecord
+from admm_dist.training import checkpoint as ckpt
+from admm_dist.training.checkpoint import CheckpointError
+from admm_dist.training.config import TrainConfig
+from admm_dist.training.report import TrainReport
+from admm_dist.training.state import BestRound, NodeState
+
+if TYPE_CHECKING:
+    from admm_dist.engine.admm import ADMMEngine
+    from admm_dist.engine.comm import Communicator
+
+
+def save_round(root: str, *, engine: "ADMMEngine", nodes: Sequence[int], state: Dict[int, NodeState],
+               param: torch.Tensor, fingerprint: str, report: TrainReport, best: Optional[BestRound],
+               keep: int) -> None:
+    """Every node of this rank writes round ``engine.round``; older rounds are pruned to ``keep``."""
+    k = engine.round
+    history = [r.as_dict() for r in engine.history]
+    for j, node in enumerate(nodes):
+        st = state[node]
+        opt_state = st.optimizer.state.get(param, {})
+        tensors = {"x": engine.x[j], "z": engine.z[j], "u": engine.u[j], "rng_cpu": torch.get_rng_state()}
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in opt_state:
+                tensors[f"adam.{key}"] = opt_state[key]
+        meta = {"fingerprint": fingerprint,
+                "adam_step": float(opt_state["step"]) if "step" in opt_state else 0.0,
+                "sampler": st.sampler.state_dict() if st.sampler else None, "history": history,
+                "dev_curve": report.get("dev_curve", []),
+                "rho": engine.state_dict()["rho"],
+                "best": None if best is None else best.meta()}
+        if best is not None:
+            tensors["best_z"] = best.z
+        ckpt.save_node(root, k, node, tensors, meta)
+    ckpt.prune(root, nodes, keep, fingerprint)
+
+
+def agreed_round(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int], rank: int,
+                 fingerprint: str) -> int:
+    """The last round every rank completed under this run's fingerprint (0: none)."""
+    root = ckpt.ckpt_root(cfg.out)
+    mine = ckpt.completed_rounds(root, nodes, fingerprint)
+    foreign = bool(ckpt.all_rounds(root)) and not mine
+    row = [float(mine[-1] if mine else 0), float(foreign), float(mine[-1] if mine else 0)]
+    table = comm.gather_rows(torch.tensor([row] * len(nodes), dtype=torch.float64))
+    agreed, newest = int(table[:, 0].min().item()), int(table[:, 2].max().item())
+    if table[:, 1].max().item() > 0 and agreed == 0:
+        raise CheckpointError(
+            f"resume auto: the checkpoints in {root} were written by another run (other settings, fit set "
+            "or initial state): resume with that run's settings, replace it with overwrite=true "
+            "(resume=never), or choose a new out=")
+    if newest > cfg.k_outer:
+        raise CheckpointError(
+            f"resume auto: the checkpoints in {root} reach round {newest}, beyond k_outer={cfg.k_outer}: "
+            f"pass k_outer={newest} or more to continue that run, or choose a new out=")
+    if agreed and agreed not in mine:
+        raise UserError(f"resume auto: round {agreed} is the last every rank completed but rank "
+                        f"{rank} no longer has it (--keep_checkpoints too small)")
+    return agreed
+
+
+def restore_round(cfg: TrainConfig, agreed: int, *, engine: "ADMMEngine", nodes: Sequence[int],
+                  state: Dict[int, NodeState], param: torch.Tensor, fingerprint: str, device,
+                  report: TrainReport, recollect: Callable[[int], None]) -> Optional[BestRound]:
+    """Load round ``agreed`` into the engine, the optimisers and the samplers; the best round."""
+    root = ckpt.ckpt_root(cfg.out)
+    restored: Dict[str, object] = {"round": agreed}
+    loaded = {}
+    for node in nodes:
+        tensors, meta = ckpt.load_node(root, agreed, node, fingerprint)
+        loaded[node] = (tensors, meta)
+        restored["rho"] = meta.get("rho", cfg.rho)
+        for name in ("x", "z", "u"):
+            restored[f"{name}.{node}"] = tensors[name].to(device)
+    engine.load_state_dict(restored)
+    every = cfg.recollect_every
+    if every and agreed >= every and agreed < cfg.k_outer:
+        recollect(agreed // every)   # deterministic: the same z gives the same rollouts
+    best: Optional[BestRound] = None
+    for node, (tensors, meta) in loaded.items():
+        st = state[node]
+        if "adam.exp_avg" in tensors:
+            st.optimizer.state[param] = {
+                "step": torch.tensor(meta["adam_step"]),
+                "exp_avg": tensors["adam.exp_avg"].to(device),
+                "exp_avg_sq": tensors["adam.exp_avg_sq"].to(device)}
+        if st.sampler is not None and meta["sampler"] is not None:
+            st.sampler.load_state_dict(meta["sampler"])
+        torch.set_rng_state(tensors["rng_cpu"])
+        engine.history = [RoundRecord(**r) for r in meta["history"]]
+        if meta.get("dev_curve"):
+            report.dev_curve = meta["dev_curve"]
+        if meta.get("best") is not None:
+            best = BestRound(meta["best"][0], meta["best"][1], tensors["best_z"].to(device))
+    return best
+
