@@ -1,11 +1,29 @@
-"""Shared test settings: gloo on loopback, one thread per process, deterministic seeds."""
+"""Shared test settings and helpers: gloo on loopback, one thread per process, deterministic
+seeds, the repository root, a run in one process, the tiny backbone and fit set.
+
+The test tree mirrors the package (``tests/<layer>/test_<module>.py``); this file's folder is
+on ``sys.path``, so the tests import ``REPO`` and ``train_local`` from here, and ``procs``
+(processes by PID) and ``cluster`` (the real SLURM) beside it.
+"""
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_local(cfg):
+    """Train ``cfg`` with every node in this process (the single-process backend); the report."""
+    from admm_dist.engine.dist import distributed, read_env
+    from admm_dist.training.trainer import Trainer
+
+    with distributed("cpu", env=read_env({})) as ctx:
+        return Trainer(cfg, ctx).train()
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from admm_dist.data import queries
-from admm_dist.mas.evaluation import main
+from admm_dist.cli.evaluate import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = os.path.join(ROOT, "assets", "standin")

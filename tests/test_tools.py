@@ -8,7 +8,7 @@ import pytest
 from admm_dist.data import fitset as fs
 from admm_dist.data.derive import derive
 from admm_dist.mas import judge as J
-from admm_dist.mas.evaluation import main as evaluate
+from admm_dist.cli.evaluate import main as evaluate
 from admm_dist.cli.build_fitset import main as build_fitset
 from admm_dist.cli.judge_fitset import main as judge_fitset
 

@@ -8,7 +8,9 @@ import sys
 from typing import Optional, Sequence
 
 from admm_dist.cli.common import OneLineParser, run_cli
+from admm_dist.core.config_file import default_of
 from admm_dist.mas import evaluation
+from admm_dist.mas.chain import ChainConfig
 from admm_dist.mas.prompts import prompt_modes
 from admm_dist.mas.seats import GENERATION_BACKENDS, ROLE_SETS
 
@@ -26,17 +28,17 @@ def build_parser() -> OneLineParser:
     a("--seed", type=int, default=42, help="pool shuffle and sampling seed")
     a("--n", type=int, default=None, help="number of rows (default: all)")
     a("--offset", type=int, default=0, help="first row")
-    a("--n_agents", type=int, default=4)
-    a("--prompt", choices=prompt_modes(), default="sequential_v2")
+    a("--n_agents", type=int, default=default_of(ChainConfig, "n_agents"))
+    a("--prompt", choices=prompt_modes(), default=default_of(ChainConfig, "prompt"))
     a("--think", action="store_true", help="enable the chat template's thinking mode")
     a("--text_mas_context_length", type=int, default=None, help="cap carried context (tokens)")
     a("--adapt_roles", choices=ROLE_SETS, default=None,
       help="seats that carry the adapter (default: the training run's, else all)")
-    a("--max_new_tokens", type=int, default=4096)
+    a("--max_new_tokens", type=int, default=default_of(ChainConfig, "max_new_tokens"))
     a("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
-    a("--top_p", type=float, default=0.95)
+    a("--top_p", type=float, default=default_of(ChainConfig, "top_p"))
     a("--samples", type=int, default=1, help="chains per row (needs --temperature > 0 for > 1)")
-    a("--batch_size", type=int, default=64)
+    a("--batch_size", type=int, default=default_of(ChainConfig, "batch_size"))
     a("--generation_backend", choices=GENERATION_BACKENDS, default="hf",
       help="hf: transformers generate (seeded per row, bit-for-bit); vllm: a vLLM engine (docs/vllm.md)")
     a("--adapter", default=None, help="a saved B vector (<out>-last/-best.safetensors)")

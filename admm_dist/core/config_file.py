@@ -29,6 +29,15 @@ class ConfigError(UserError):
     """A configuration value or key is wrong; the message names the fix."""
 
 
+def default_of(component: type, name: str) -> Any:
+    """The default of field ``name`` of the dataclass ``component``: a flat configuration that
+    exposes a component's field takes its default from here, so it is written once."""
+    field = _fields(component)[name]
+    if field.default is dataclasses.MISSING:
+        raise TypeError(f"{component.__name__}.{name} has no plain default")
+    return field.default
+
+
 def _fields(cls) -> Dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 

@@ -15,6 +15,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from admm_dist.core.text import THINK_CLOSE, THINK_OPEN, is_int, visible
 from admm_dist.data.fitset import DERIVED_MODES, Example, FitSet, FitSetError, check_mode
 
+FIT_FILTERS = ("none", "drop_unclosed_think")   # fit_filter: what is dropped before training
+
 
 def derive(fs: FitSet, fit_mode: str, *, pair_by: Optional[str] = None) -> List[Example]:
     """The ``fit_mode`` examples of ``fs`` as new objects (``fs`` is not changed).

@@ -53,11 +53,12 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from admm_dist.core.errors import UserError
 from admm_dist.core.io import atomic_write_bytes
 from admm_dist.core.text import is_int
+from admm_dist.model.objectives import FIT_MODES
 
 FORMAT = "admm_dist.data.fitset"
 VERSION = 1
 FILE_MODES = ("dpo", "sft")
-DERIVED_MODES = ("dpo", "sft", "rsft")
+DERIVED_MODES = FIT_MODES   # what a fit set can be derived into: the objectives' modes
 PARTITION_MODES = ("seat", "anchor")
 
 

@@ -65,7 +65,7 @@ class ADMMConfig:
         if not math.isfinite(self.rho) or self.rho < 0:
             raise UserError(f"rho={self.rho}: the ADMM penalty must be a finite number >= 0")
         if self.rho == 0 and not self.local_only:
-            raise UserError("rho=0 decouples the nodes: use local_only=True for that ablation, or rho > 0")
+            raise UserError("rho=0 decouples the nodes: use local_only for that ablation, or rho > 0")
         if self.local_only and self.no_dual:
             raise UserError("local_only and no_dual are separate ablations: choose one")
 

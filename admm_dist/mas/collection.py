@@ -40,7 +40,7 @@ from admm_dist.core.errors import UserError
 from admm_dist.data import queries
 from admm_dist import tasks
 from admm_dist.data.fitset import Example, FitSet
-from admm_dist.mas import ChainConfig, ChainRunner, row_seed
+from admm_dist.mas import ChainRunner, row_seed
 
 COLLECT_KEY = ("task", "prompt", "think", "n_agents", "adapt_roles", "credit", "reward",
                "fit_mode", "anchors", "group", "seed", "downstream_seed", "sink_tokens",
@@ -267,12 +267,8 @@ def gold_loglik(runner: ChainRunner, item: dict, texts: Sequence[str]) -> float:
 def chain_runner(cfg, model, tokenizer, *, adapter=None, states=None, seat_models=None,
                  generator=None) -> ChainRunner:
     """The chain a TrainConfig describes, on ``model`` (the adapter's wrapped backbone)."""
-    runner = ChainRunner(model, tokenizer, ChainConfig(
-        n_agents=cfg.n_agents, prompt=cfg.prompt, words=tasks.get(cfg.task).words, think=cfg.think,
-        context_tokens=cfg.text_mas_context_length, max_new_tokens=cfg.max_new_tokens,
-        sink_tokens=cfg.sink_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-        batch_size=cfg.gen_batch_size), adapter=adapter, seat_states=states, seat_models=seat_models,
-        generator=generator)
+    runner = ChainRunner(model, tokenizer, cfg.chain_config(words=tasks.get(cfg.task).words), adapter=adapter,
+                         seat_states=states, seat_models=seat_models, generator=generator)
     if cfg.reward == "outcome" and runner.cfg.budget(cfg.n_agents - 1) <= 0:
         raise UserError("--reward outcome needs the final agent to generate (--sink_tokens > 0)")
     return runner

@@ -51,6 +51,7 @@ zero-argument context-manager factory for the reference.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, ContextManager, Dict, Iterable, Sequence, Tuple
 
 import torch
@@ -62,6 +63,7 @@ from admm_dist.model.batches import batches as batch_iter
 
 FIT_MODES = ("dpo", "sft", "rsft")
 TARGET_SPANS = ("full", "visible")
+KL_REFS = ("frozen", "collect")   # kl_ref: the KL reference is the bare backbone or the warm start
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -82,10 +84,10 @@ class ObjectiveConfig:
         if self.target_span not in TARGET_SPANS:
             raise UserError(f"target_span={self.target_span!r} is unknown: set target_span "
                             f"to one of {', '.join(TARGET_SPANS)}")
-        if not (isinstance(self.dpo_beta, (int, float)) and self.dpo_beta > 0):
+        if not (isinstance(self.dpo_beta, (int, float)) and math.isfinite(self.dpo_beta) and self.dpo_beta > 0):
             raise UserError(f"dpo_beta={self.dpo_beta!r} must be a number > 0 "
                             f"(0.1 is the usual choice)")
-        if not (isinstance(self.kl_beta, (int, float)) and self.kl_beta >= 0):
+        if not (isinstance(self.kl_beta, (int, float)) and math.isfinite(self.kl_beta) and self.kl_beta >= 0):
             raise UserError(f"kl_beta={self.kl_beta!r} must be a number >= 0 "
                             f"(0 turns the KL term off)")
         for name in ("max_prompt_tokens", "max_target_tokens"):
@@ -214,9 +216,9 @@ def loss(model: torch.nn.Module, batch: Batch, cfg: ObjectiveConfig
     return total, metrics
 
 
-def nll(model: torch.nn.Module, batches: Iterable[Batch]) -> float:
-    """Mean NLL per scored target token over all ``batches`` (chosen rows of dpo batches),
-    without grad and in eval mode (e.g. the held-out dev NLL)."""
+def nll_totals(model: torch.nn.Module, batches: Iterable[Batch]) -> Tuple[float, float]:
+    """(sum of NLL, number of tokens) over the scored target tokens of ``batches`` (chosen
+    rows of dpo batches), without grad and in eval mode; the model's mode is restored."""
     tot, cnt = 0.0, 0.0
     was_training = model.training
     model.eval()
@@ -230,6 +232,12 @@ def nll(model: torch.nn.Module, batches: Iterable[Batch]) -> float:
                 cnt += float(m.sum())
     finally:
         model.train(was_training)
+    return tot, cnt
+
+
+def nll(model: torch.nn.Module, batches: Iterable[Batch]) -> float:
+    """Mean NLL per scored target token over all ``batches`` (e.g. the held-out dev NLL)."""
+    tot, cnt = nll_totals(model, batches)
     if cnt == 0:
         raise UserError("nll() got no scored target tokens")
     return tot / cnt
@@ -237,23 +245,9 @@ def nll(model: torch.nn.Module, batches: Iterable[Batch]) -> float:
 
 def nll_sum(model: torch.nn.Module, encoded: Sequence[Encoded], batch_size: int,
             pad_id: int) -> Tuple[float, float]:
-    """(sum of NLL, number of tokens) over the scored target tokens of ``encoded`` (chosen
-    rows of dpo pairs), in consecutive batches of ``batch_size`` records, without grad and
-    in eval mode; ``(0.0, 0.0)`` without a forward when ``encoded`` is empty. Summed over
-    the nodes' shards, the ratio is the mean NLL of their union (the held-out dev NLL)."""
+    """:func:`nll_totals` of ``encoded`` in consecutive batches of ``batch_size`` records;
+    ``(0.0, 0.0)`` without a forward when ``encoded`` is empty. Summed over the nodes' shards,
+    the ratio is the mean NLL of their union (the held-out dev NLL)."""
     if not encoded:
         return 0.0, 0.0
-    tot = cnt = 0.0
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for batch in batch_iter(encoded, batch_size, pad_id):
-                b = batch.chosen()
-                lp = token_logps(model, b)
-                m = b.target_mask.to(lp.device)
-                tot += float(-(lp * m).sum())
-                cnt += float(m.sum())
-    finally:
-        model.train(was_training)
-    return tot, cnt
+    return nll_totals(model, batch_iter(encoded, batch_size, pad_id))

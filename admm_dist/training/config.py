@@ -1,5 +1,14 @@
 """The training run's configuration: one flat dataclass keyed by the seed's flag names.
 
+The flat keys stay the seed's; the components own their fields. A key that belongs to a
+component (:class:`~admm_dist.engine.admm.ADMMConfig`, :class:`~admm_dist.model.adapter.AdapterConfig`,
+:class:`~admm_dist.model.objectives.ObjectiveConfig`, :class:`~admm_dist.mas.chain.ChainConfig`,
+:class:`~admm_dist.mas.collection.Collector`) takes its default from that component
+(:func:`~admm_dist.core.config_file.default_of`), its choices from the component's list, and
+its check from the component's ``__post_init__``, which :meth:`TrainConfig.__post_init__`
+runs; :meth:`TrainConfig.admm_config` and its siblings are the one place the flat keys map
+onto the components. The keys below are the run's own.
+
 Defaults are the paper's safety settings (Table A2): rho 0.03, 16 local Adam
 steps, lr 1e-3, clip 0.01, batch 8, beta_DPO = beta_KL = 0.1, rank-16 LoRA on
 all seven projections of all 36 layers, B only. A YAML file in ``configs/``
@@ -15,14 +24,17 @@ import math
 import os
 from typing import Any, Dict, List, Optional
 
+from admm_dist.core.config_file import default_of
 from admm_dist.core.constants import DEFAULT_TIMEOUT_S
 from admm_dist.core.errors import UserError
 from admm_dist.engine.admm import ADMMConfig
-from admm_dist.model.adapter import LORA_TARGETS, AdapterConfig
-from admm_dist.model.objectives import FIT_MODES, TARGET_SPANS, ObjectiveConfig
-from admm_dist.engine.comm import MODES, TOPOLOGIES
+from admm_dist.model.adapter import AdapterConfig
+from admm_dist.model.objectives import KL_REFS, ObjectiveConfig
+from admm_dist.engine.comm import COMM_BACKENDS, MODES, TOPOLOGIES
+from admm_dist.data.derive import FIT_FILTERS
 from admm_dist.data.fitset import PARTITION_MODES
-from admm_dist.mas.collection import CREDITS, REWARDS
+from admm_dist.mas.chain import ChainConfig
+from admm_dist.mas.collection import CREDITS, REWARDS, Collector
 from admm_dist.mas.prompts import prompt_modes, role_name
 from admm_dist.mas.seats import GENERATION_BACKENDS, ROLE_SETS, adapted_seats, parse_agent_models
 
@@ -37,6 +49,10 @@ NON_SEMANTIC = frozenset({
 # Keys added after checkpoints were first written, with the value that reproduces them: they
 # enter the fingerprint only when set otherwise, so an older run still resumes.
 LATER_KEYS = {"generation_backend": "hf"}
+EMPTY_NODES = ("error", "prox")    # empty_nodes: refuse a node without examples, or give it f_i = 0
+RESUME_MODES = ("never", "auto")
+
+
 def _choice(name: str, value: str, choices) -> None:
     if value not in choices:
         raise UserError(f"{name}={value!r}: choose one of {', '.join(map(str, choices))}")
@@ -49,35 +65,35 @@ class TrainConfig:
     model_name: str = "Qwen/Qwen3-8B"
     device: str = "auto"
     seed: int = 42
-    n_agents: int = 4
+    n_agents: int = default_of(ChainConfig, "n_agents")
     adapt_roles: str = "all"
-    backend: str = "auto"           # auto | process_group | local
+    backend: str = "auto"           # COMM_BACKENDS: auto | process_group | local
     timeout_s: float = DEFAULT_TIMEOUT_S   # bound on every collective
 
     # the multi-agent system and on-policy collection (DESIGN.md section 5)
     task_path: Optional[str] = None       # local JSON/JSONL/CSV for the task instead of the hub
-    prompt: str = "sequential_v2"
+    prompt: str = default_of(ChainConfig, "prompt")
     fit_prompt: Optional[str] = None      # fit every message under this (deployment) prompt
-    think: bool = False
+    think: bool = default_of(ChainConfig, "think")
     text_mas_context_length: Optional[int] = None
     agent_models: Optional[str] = None    # "SEAT=PATH[,SEAT=PATH]": a seat on another backbone
     anchors: int = 32
-    group: int = 8
-    credit: str = "shared"
-    reward: str = "outcome"
+    group: int = default_of(Collector, "group")
+    credit: str = default_of(Collector, "credit")
+    reward: str = default_of(Collector, "reward")
     anchor_split: Optional[str] = None
     anchor_offset: Optional[int] = None
     anchor_pool: Optional[int] = None
     anchor_pass_band: Optional[str] = None
     recollect_every: int = 0
-    downstream_seed: int = 1234
-    prefix_samples: int = 1               # per_role: branch from the first right of P prefix chains
-    max_new_tokens: int = 4096
-    sink_tokens: Optional[int] = None
-    temperature: float = 0.8
-    top_p: float = 0.95
-    gen_batch_size: int = 64              # rows per generate call (memory, not semantics)
-    gen_chunk: int = 8                    # queries per collection work unit
+    downstream_seed: int = default_of(Collector, "downstream_seed")
+    prefix_samples: int = default_of(Collector, "prefix_samples")   # per_role: branch from the first right of P prefix chains
+    max_new_tokens: int = default_of(ChainConfig, "max_new_tokens")
+    sink_tokens: Optional[int] = default_of(ChainConfig, "sink_tokens")
+    temperature: float = default_of(ChainConfig, "temperature")
+    top_p: float = default_of(ChainConfig, "top_p")
+    gen_batch_size: int = default_of(ChainConfig, "batch_size")   # rows per generate call (memory, not semantics)
+    gen_chunk: int = default_of(Collector, "chunk")   # queries per collection work unit
     generation_backend: str = "hf"        # hf (transformers, bit-for-bit seeded) | vllm (docs/vllm.md)
     vllm_max_model_len: int = 4096        # the engine's longest prompt + reply, in tokens
     vllm_kv_cache_gib: float = 1.0        # CPU: the KV cache size (VLLM_CPU_KVCACHE_SPACE)
@@ -97,21 +113,21 @@ class TrainConfig:
     init_state: Optional[str] = None
 
     # objective
-    fit_mode: str = "dpo"
-    dpo_beta: float = 0.1
-    kl_beta: float = 0.1
+    fit_mode: str = default_of(ObjectiveConfig, "fit_mode")
+    dpo_beta: float = default_of(ObjectiveConfig, "dpo_beta")
+    kl_beta: float = default_of(ObjectiveConfig, "kl_beta")
     kl_ref: str = "frozen"
     no_role_balance: bool = False
-    target_span: str = "full"
-    max_target_tokens: int = 4096
-    max_prompt_tokens: int = 8192
+    target_span: str = default_of(ObjectiveConfig, "target_span")
+    max_target_tokens: int = default_of(ObjectiveConfig, "max_target_tokens")
+    max_prompt_tokens: int = default_of(ObjectiveConfig, "max_prompt_tokens")
     no_grad_checkpointing: bool = False
 
     # adapter
-    lora_rank: int = 16
-    lora_alpha: float = 16.0
-    lora_layers_last: int = 36
-    lora_targets: str = "attn_mlp"
+    lora_rank: int = default_of(AdapterConfig, "lora_rank")
+    lora_alpha: float = default_of(AdapterConfig, "lora_alpha")
+    lora_layers_last: int = default_of(AdapterConfig, "lora_layers_last")
+    lora_targets: str = default_of(AdapterConfig, "lora_targets")
     lora_basis_seed: Optional[int] = None
 
     # ADMM
@@ -119,16 +135,16 @@ class TrainConfig:
     local_steps: int = 16
     batch_size: int = 8
     eta: float = 1e-3
-    rho: float = 0.03
+    rho: float = default_of(ADMMConfig, "rho")
     grad_clip: float = 0.01
     consensus: str = "ring"
     topology: str = "ring"
     gossip_steps: int = 1
-    local_only: bool = False
-    no_dual: bool = False
-    rho_adapt: bool = False         # residual balancing (Boyd et al. 2011, 3.4.1); duals rescaled
-    rho_mu: float = 10.0
-    rho_tau: float = 2.0
+    local_only: bool = default_of(ADMMConfig, "local_only")
+    no_dual: bool = default_of(ADMMConfig, "no_dual")
+    rho_adapt: bool = default_of(ADMMConfig, "rho_adapt")   # residual balancing (Boyd et al. 2011, 3.4.1); duals rescaled
+    rho_mu: float = default_of(ADMMConfig, "rho_mu")
+    rho_tau: float = default_of(ADMMConfig, "rho_tau")
 
     # outputs and fault tolerance
     out: str = "runs/admm"
@@ -142,78 +158,67 @@ class TrainConfig:
     export_peft: bool = False
 
     def __post_init__(self) -> None:
+        # the components check their own fields (and say how to fix them)
+        self.admm_config()
+        self.adapter_config()
+        self.objective_config()
+        self.chain_config()
+        # the run's own choices
         _choice("adapt_roles", self.adapt_roles, ROLE_SETS)
-        _choice("backend", self.backend, ("auto", "process_group", "local"))
-        _choice("fit_filter", self.fit_filter, ("none", "drop_unclosed_think"))
+        _choice("backend", self.backend, COMM_BACKENDS)
+        _choice("fit_filter", self.fit_filter, FIT_FILTERS)
         _choice("partition", self.partition, PARTITION_MODES)
-        _choice("empty_nodes", self.empty_nodes, ("error", "prox"))
-        _choice("fit_mode", self.fit_mode, FIT_MODES)
-        _choice("kl_ref", self.kl_ref, ("frozen", "collect"))
-        _choice("target_span", self.target_span, TARGET_SPANS)
-        _choice("lora_targets", self.lora_targets, tuple(LORA_TARGETS))
+        _choice("empty_nodes", self.empty_nodes, EMPTY_NODES)
+        _choice("kl_ref", self.kl_ref, KL_REFS)
         _choice("consensus", self.consensus, MODES)
         _choice("topology", self.topology, TOPOLOGIES)
-        _choice("resume", self.resume, ("never", "auto"))
+        _choice("resume", self.resume, RESUME_MODES)
         _choice("generation_backend", self.generation_backend, GENERATION_BACKENDS)
         if self.vllm_max_model_len < 16:
             raise UserError(f"vllm_max_model_len={self.vllm_max_model_len}: give the longest prompt + reply "
-                             "in tokens (e.g. 4096)")
+                            "in tokens (e.g. 4096)")
         if not (math.isfinite(self.vllm_kv_cache_gib) and self.vllm_kv_cache_gib > 0):
             raise UserError(f"vllm_kv_cache_gib={self.vllm_kv_cache_gib}: give a size in GiB > 0 (e.g. 1)")
         if not 0 < self.vllm_gpu_memory_utilization < 1:
             raise UserError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}: give the "
-                             "engine's share of GPU memory in (0, 1), e.g. 0.5")
-        _choice("prompt", self.prompt, prompt_modes())
+                            "engine's share of GPU memory in (0, 1), e.g. 0.5")
         if self.fit_prompt is not None:
             _choice("fit_prompt", self.fit_prompt, prompt_modes())
         _choice("credit", self.credit, CREDITS)
         _choice("reward", self.reward, REWARDS)
-        for name in ("anchors", "group", "max_new_tokens", "gen_batch_size", "gen_chunk", "prefix_samples"):
+        for name in ("anchors", "group", "gen_chunk", "prefix_samples"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)}: it must be >= 1")
         if self.prefix_samples > 1 and self.credit != "per_role":
             raise UserError(f"prefix_samples={self.prefix_samples} picks the prefix per_role credit branches "
-                             "from: use --credit per_role, or prefix_samples 1")
+                            "from: use --credit per_role, or prefix_samples 1")
         if self.recollect_every < 0:
             raise UserError(f"recollect_every={self.recollect_every}: use 0 (collect once) or N >= 1 rounds")
-        if self.sink_tokens is not None and self.sink_tokens < 0:
-            raise UserError(f"sink_tokens={self.sink_tokens}: use 0 (the last seat is silent) or a budget")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise UserError(f"temperature={self.temperature}: collection samples; use a value > 0 (e.g. 0.8)")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p={self.top_p}: use a value in (0, 1]")
         if self.anchor_pool is not None and self.anchor_pool < self.anchors:
             raise UserError(f"anchor_pool={self.anchor_pool} < anchors={self.anchors}: the pool must "
-                             "hold at least the queries kept")
+                            "hold at least the queries kept")
         self.pass_band()
         self.seat_backbones()
-        positive = ("n_agents", "k_outer", "local_steps", "batch_size", "lora_rank",
-                    "lora_layers_last", "max_target_tokens", "max_prompt_tokens", "dev_every",
-                    "checkpoint_every", "keep_checkpoints", "gossip_steps")
-        for name in positive:
+        for name in ("k_outer", "local_steps", "batch_size", "dev_every", "checkpoint_every",
+                     "keep_checkpoints", "gossip_steps"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)}: it must be >= 1")
         self._check_out()
         if self.overwrite and self.resume == "auto":
             raise UserError("overwrite=true replaces the run in out=, resume=auto continues it: choose one")
-        for name in ("eta", "grad_clip", "lora_alpha", "timeout_s", "max_delta_w_rel"):
+        for name in ("eta", "grad_clip", "timeout_s", "max_delta_w_rel"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise UserError(f"{name}={v}: it must be a finite number > 0")
-        for name in ("dpo_beta", "kl_beta", "rho"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise UserError(f"{name}={v}: it must be a finite number >= 0")
-        if self.rho == 0 and not self.local_only:
-            raise UserError("rho=0 decouples the nodes: use --local_only for that ablation")
         if not 0 <= self.dev_frac < 1:
             raise UserError(f"dev_frac={self.dev_frac}: pass a held-out fraction in [0, 1), e.g. dev_frac=0.1 "
-                             "(0 holds out nothing)")
+                            "(0 holds out nothing)")
         if self.dedup_targets < 0:
             raise UserError(f"dedup_targets={self.dedup_targets}: use 0 (off) or a cap >= 1")
-        if self.local_only and self.no_dual:
-            raise UserError("local_only and no_dual are separate ablations: choose one")
-        self.admm_config()   # rho_adapt / rho_mu / rho_tau say how to fix themselves
         if self.pooled and self.partition == "anchor":
             raise UserError("pooled puts every example on one node: drop --partition anchor")
         if self.n_partitions < 0:
@@ -239,6 +244,13 @@ class TrainConfig:
         return AdapterConfig(lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,
                              lora_layers_last=self.lora_layers_last, lora_targets=self.lora_targets,
                              lora_basis_seed=self.basis_seed)
+
+    def chain_config(self, words: str = "default") -> ChainConfig:
+        """The chain this run collects with (``words``: the task's prompt wording)."""
+        return ChainConfig(n_agents=self.n_agents, prompt=self.prompt, words=words, think=self.think,
+                           context_tokens=self.text_mas_context_length, max_new_tokens=self.max_new_tokens,
+                           sink_tokens=self.sink_tokens, temperature=self.temperature, top_p=self.top_p,
+                           batch_size=self.gen_batch_size)
 
     def objective_config(self) -> ObjectiveConfig:
         return ObjectiveConfig(fit_mode=self.fit_mode, dpo_beta=self.dpo_beta, kl_beta=self.kl_beta,

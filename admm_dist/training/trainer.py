@@ -19,7 +19,7 @@ import math
 import os
 import random
 import time
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -34,6 +34,7 @@ from admm_dist.engine.preemption import Preempted, PreemptionFlag, agree
 from admm_dist.mas.collection import chain_runner, collect_fitset, gather_json, load_seat_models
 from admm_dist.model import batches as bt
 from admm_dist.model import objectives as obj
+from admm_dist.model.objectives import ObjectiveConfig
 from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
 from admm_dist.model.loading import load_model
 from admm_dist.model.vectors import check_same_basis, hash_to_int64_row, int64_row_to_hash, load_vector
@@ -49,6 +50,23 @@ if TYPE_CHECKING:
 
 
 class Trainer:
+    """One rank's part of a run: :meth:`train` sets up, runs ``k_outer`` rounds, writes outputs."""
+
+    # made by setup() (the communicator decides this rank's nodes before anything loads)
+    comm: Communicator
+    nodes: List[int]
+    shards: Dict[int, List[fs.Example]]     # this rank's nodes' training examples
+    dev_set: List[fs.Example]               # the held-out examples (every node's share)
+    tokenizer: Any
+    adapter: BOnlyLoRA
+    model: Any                              # the adapter's wrapped backbone
+    ocfg: ObjectiveConfig
+    init_vec: Optional[torch.Tensor]        # init_state, the warm start
+    fingerprint: str                        # what a checkpoint must match to be this run's
+    # made by build_nodes()
+    state: Dict[int, NodeState]
+    engine: ADMMEngine
+
     def __init__(self, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] = print,
                  preempt: Optional[PreemptionFlag] = None, faults: Optional["FaultPlan"] = None):
         self.cfg = cfg
@@ -219,7 +237,7 @@ class Trainer:
     # ------------------------------------------------------------------ nodes
     def build_nodes(self) -> None:
         cfg = self.cfg
-        self.state: Dict[int, NodeState] = {}
+        self.state = {}
         for node in self.nodes:
             opt = torch.optim.Adam([self.adapter.param], lr=cfg.eta, foreach=False)
             self.state[node] = NodeState(node, [], None, opt)

@@ -22,6 +22,7 @@ from admm_dist.engine.comm.process_group import (
 from admm_dist.engine.comm.topology import TOPOLOGIES, metropolis_weights, mixing_matrix, neighbours
 from admm_dist.core.errors import UserError
 
+COMM_BACKENDS = ("auto", "process_group", "local")   # one process per node, all in one, or by the group
 _PG_IMPLS = {"coordinator": CoordinatorCommunicator, "ring": RingCommunicator,
              "gossip": GossipCommunicator}
 
@@ -35,7 +36,7 @@ def make_communicator(mode: str, *, n_nodes: int, topology: str = "ring", gossip
     simulates every node in this process otherwise.
     """
     check_mode(mode, topology, gossip_steps)
-    if backend not in ("auto", "process_group", "local"):
+    if backend not in COMM_BACKENDS:
         raise UserError(f"backend={backend!r}: choose auto, process_group or local")
     use_pg = backend == "process_group" or (backend == "auto" and dist.is_initialized())
     if not use_pg:
