@@ -23,7 +23,7 @@ def pool(task: str, *, seed: int, split: Optional[str] = None, path: Optional[st
     items = list(tasks.load(task, split=split or "eval", **kw))
     if not items:
         raise UserError(f"task {task} has no rows in split {split or 'eval'}"
-                         + (f" of {path}" if path else "") + ": check --task_path / --anchor_split")
+                        + (f" of {path}" if path else "") + ": check --task_path / --anchor_split")
     random.Random(seed).shuffle(items)
     return items
 
@@ -39,12 +39,12 @@ def training_slice(items: Sequence[dict], count: int, *, offset: Optional[int] =
         lo = offset + collection * count
         if offset < 0 or lo + count > n:
             raise UserError(f"anchor_offset {offset} + {collection + 1} x {count} queries exceeds the "
-                             f"pool of {n} rows: lower --anchors, --anchor_offset or --recollect_every")
+                            f"pool of {n} rows: lower --anchors, --anchor_offset or --recollect_every")
         return list(items[lo:lo + count])
     hi = n - collection * count
     if hi - count < 1:   # keep at least one row at the front for evaluation
         raise UserError(f"{collection + 1} x {count} training queries do not fit in the pool of {n} "
-                         f"rows: lower --anchors (or --anchor_pool) or --recollect_every")
+                        f"rows: lower --anchors (or --anchor_pool) or --recollect_every")
     return list(items[hi - count:hi])
 
 
@@ -62,5 +62,5 @@ def refuse_leaks(rows: Sequence[dict], train_keys: Sequence[str], *, report: str
     leaked = [r["anchor"] for r in rows if r["anchor"] in used]
     if leaked:
         raise UserError(f"{len(leaked)} of {len(rows)} evaluation rows were training queries in {report} "
-                         f"(e.g. anchor {leaked[0]}): evaluate other rows (--offset, --n) or train with a "
-                         f"different --anchor_offset")
+                        f"(e.g. anchor {leaked[0]}): evaluate other rows (--offset, --n) or train with a "
+                        f"different --anchor_offset")

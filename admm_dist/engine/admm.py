@@ -61,7 +61,7 @@ class ADMMConfig:
             raise UserError(f"rho_tau={self.rho_tau}: rho changes by a factor > 1 (2 is usual)")
         if self.rho_adapt and (self.local_only or self.no_dual):
             raise UserError("rho_adapt balances primal and dual residuals of full ADMM: drop it for "
-                             "local_only / no_dual")
+                            "local_only / no_dual")
         if not math.isfinite(self.rho) or self.rho < 0:
             raise UserError(f"rho={self.rho}: the ADMM penalty must be a finite number >= 0")
         if self.rho == 0 and not self.local_only:
@@ -237,7 +237,7 @@ class ADMMEngine:
                 src = state[key]
                 if src.shape != dst[k].shape:
                     raise UserError(f"{key}: shape {tuple(src.shape)} != {tuple(dst[k].shape)} "
-                                     "(a checkpoint from another configuration)")
+                                    "(a checkpoint from another configuration)")
                 dst[k].copy_(src)
         self.round = int(state["round"])
         self._rho = float(state.get("rho", self.config.rho))

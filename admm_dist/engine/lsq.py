@@ -44,7 +44,7 @@ class LeastSquares:
             raise UserError("n_nodes and dim must be >= 1")
         if self.rows < self.dim:
             raise UserError(f"rows={self.rows} < dim={self.dim}: each node needs rows >= dim "
-                             "for a unique local optimum")
+                            "for a unique local optimum")
 
     def node_data(self, i: int):
         g = torch.Generator().manual_seed(self.seed * LSQ_SALT + i)

@@ -99,7 +99,7 @@ def check_think(tokenizer, think: bool) -> None:
     if "enable_thinking" not in template:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise UserError(f"think=true: the chat template of {name} has no thinking switch "
-                         "(enable_thinking): use think=false with this model")
+                        "(enable_thinking): use think=false with this model")
 
 
 class ChainRunner:

@@ -101,15 +101,15 @@ class Collector:
     def __post_init__(self) -> None:
         if self.reward == "judge":
             raise UserError("reward judge labels stored trajectories: build the fit set with "
-                             "admm_dist.cli.build_fitset and judge_fitset, then pass --fitset_cache")
+                            "admm_dist.cli.build_fitset and judge_fitset, then pass --fitset_cache")
         if self.prefix_samples < 1:
             raise UserError(f"prefix_samples={self.prefix_samples}: use 1 (one prefix chain) or more")
         if self.prefix_samples > 1 and self.credit != "per_role":
             raise UserError("prefix_samples picks the prefix that per_role credit branches from: "
-                             "use it with --credit per_role, or drop it")
+                            "use it with --credit per_role, or drop it")
         if self.prefix_samples > 1 and tasks.get(self.task).answer_type == "safety":
             raise UserError("prefix_samples keeps a prefix that answered right, which a safety task "
-                             "cannot score without a judge: drop --prefix_samples")
+                            "cannot score without a judge: drop --prefix_samples")
         if self.world > 1 and self.exchange is None:
             raise UserError("a collection over several ranks needs an exchange (collect.gather_json)")
 

@@ -24,7 +24,7 @@ class TaskSpec:
     def __post_init__(self) -> None:
         if self.answer_type not in ANSWER_TYPES:
             raise UserError(f"task {self.name}: answer_type {self.answer_type!r} is not one of "
-                             f"{', '.join(ANSWER_TYPES)}")
+                            f"{', '.join(ANSWER_TYPES)}")
 
 
 REGISTRY: Dict[str, TaskSpec] = {}
@@ -42,7 +42,7 @@ def get(name: str) -> TaskSpec:
         return REGISTRY[name]
     except KeyError:
         raise UserError(f"unknown task {name!r}: choose one of {', '.join(sorted(REGISTRY))} with --task "
-                         "(or train on a fit set you built with --fitset_cache FILE)") from None
+                        "(or train on a fit set you built with --fitset_cache FILE)") from None
 
 
 def load(name: str, **kw) -> List[dict]:

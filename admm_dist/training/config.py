@@ -230,7 +230,7 @@ class TrainConfig:
         out = str(self.out).rstrip("/")
         if not out or os.path.basename(out) in (".", ".."):
             raise UserError(f"out={self.out!r}: name the run, e.g. out=runs/ring (its files go to runs/ring/, "
-                             "runs/ring-last.safetensors and runs/ring.ckpt/)")
+                            "runs/ring-last.safetensors and runs/ring.ckpt/)")
         object.__setattr__(self, "out", out)
         if not str(self.report_dir).strip():
             raise UserError("report_dir='': name a folder for the training report, e.g. report_dir=results")

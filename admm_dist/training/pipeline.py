@@ -41,13 +41,13 @@ def needs_collection(cfg: TrainConfig) -> bool:
     if cfg.task not in tasks.REGISTRY:
         if cfg.fitset_cache:
             raise UserError(f"--fitset_cache {cfg.fitset_cache} does not exist, and task {cfg.task!r} is not "
-                             f"one to collect on-policy from: fix the path, or pass --task one of "
-                             f"{', '.join(sorted(tasks.REGISTRY))}")
+                            f"one to collect on-policy from: fix the path, or pass --task one of "
+                            f"{', '.join(sorted(tasks.REGISTRY))}")
         raise UserError("no fit set: pass --fitset_cache PATH (a file written by admm_dist.data.fitset, "
-                         "tools/build_fitset or an earlier collection), or --task NAME to collect on-policy")
+                        "tools/build_fitset or an earlier collection), or --task NAME to collect on-policy")
     if cfg.reward == "judge":
         raise UserError(f"--reward judge needs a judged fit set and {cfg.fitset_cache or 'no --fitset_cache'} "
-                         "does not exist: build it with admm_dist.cli.build_fitset + judge_fitset")
+                        "does not exist: build it with admm_dist.cli.build_fitset + judge_fitset")
     tasks.get(cfg.task)
     return True
 
@@ -66,7 +66,7 @@ def read_fitset(cfg: TrainConfig, report: TrainReport) -> fs.FitSet:
         raise UserError(f"{cfg.fitset_cache} carries no judge labels: run admm_dist.cli.judge_fitset on it first")
     if diff:
         raise UserError(f"--fitset_cache {cfg.fitset_cache} was built with different settings "
-                         f"(file, requested): {diff}; collect again (remove the file) or match them")
+                        f"(file, requested): {diff}; collect again (remove the file) or match them")
     report.fitset_provenance = "file"
     return f
 
@@ -90,8 +90,8 @@ def shard(cfg: TrainConfig, f: fs.FitSet, nodes: Sequence[int], report: TrainRep
     outside = sorted({e.seat for e in examples if not 0 <= e.seat < cfg.n_agents})
     if outside:
         raise UserError(f"{cfg.fitset_cache or 'the fit set'} holds examples of seat(s) {outside}, outside the "
-                         f"chain of n_agents={cfg.n_agents} seats (0..{cfg.n_agents - 1}): rebuild it for this "
-                         "chain, or set n_agents to the chain it was built for")
+                        f"chain of n_agents={cfg.n_agents} seats (0..{cfg.n_agents - 1}): rebuild it for this "
+                        "chain, or set n_agents to the chain it was built for")
     others = sum(1 for e in examples if e.seat not in seats)
     if others:   # seats this run does not adapt (adapt_roles): documented, and said once
         report.dropped_unadapted_seats = others
@@ -111,13 +111,13 @@ def shard(cfg: TrainConfig, f: fs.FitSet, nodes: Sequence[int], report: TrainRep
     report.node_sizes = [len(p) for p in parts]
     if not any(parts):
         raise UserError(f"no training examples in {cfg.fitset_cache or 'the collected fit set'} for "
-                         f"seats {seats}: refusing to train (with on-policy collection: more --anchors, "
-                         "a larger --group or a wider --anchor_pass_band)")
+                        f"seats {seats}: refusing to train (with on-policy collection: more --anchors, "
+                        "a larger --group or a wider --anchor_pass_band)")
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
     if empty and cfg.empty_nodes == "error":
         raise UserError(f"node(s) {empty} have no training examples: adapt fewer roles "
-                         "(--adapt_roles), use --pooled, or --empty_nodes prox (such a node "
-                         "has f_i = 0 and only follows the consensus)")
+                        "(--adapt_roles), use --pooled, or --empty_nodes prox (such a node "
+                        "has f_i = 0 and only follows the consensus)")
     report.empty_nodes = empty
     small = [i for i, p in enumerate(parts) if 0 < len(p) < cfg.batch_size]
     if small:
@@ -136,6 +136,6 @@ def check_context(cfg: TrainConfig, model, enc) -> None:
     longest = max(len(p) + len(t) for e in enc for p, t, _, _ in e.rows())
     if longest > positions:
         raise UserError(f"an example is {longest} tokens (prompt + target) but {cfg.model_name} has "
-                         f"{positions} positions (max_position_embeddings): lower max_prompt_tokens "
-                         f"(now {cfg.max_prompt_tokens}) or max_target_tokens (now "
-                         f"{cfg.max_target_tokens})")
+                        f"{positions} positions (max_position_embeddings): lower max_prompt_tokens "
+                        f"(now {cfg.max_prompt_tokens}) or max_target_tokens (now "
+                        f"{cfg.max_target_tokens})")

@@ -45,7 +45,7 @@ def make_communicator(mode: str, *, n_nodes: int, topology: str = "ring", gossip
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != n_nodes:
         raise UserError(f"world size {world} != number of nodes {n_nodes}: launch with "
-                         f"torchrun --nproc_per_node {n_nodes} (one rank per node)")
+                        f"torchrun --nproc_per_node {n_nodes} (one rank per node)")
     return _PG_IMPLS[mode](timeout=timeout or datetime.timedelta(seconds=DEFAULT_TIMEOUT_S), topology=topology,
                            gossip_steps=gossip_steps, meter=meter)
 

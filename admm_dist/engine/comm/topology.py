@@ -28,7 +28,7 @@ def _grid_shape(n: int) -> Tuple[int, int]:
     rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
     if rows == 1 and n > 3:
         raise UserError(f"topology grid: {n} nodes form no rows x cols grid with rows, cols >= 2 "
-                         f"({n} is prime): use topology ring or chain, or a node count like {n + 1}")
+                        f"({n} is prime): use topology ring or chain, or a node count like {n + 1}")
     return rows, n // rows
 
 
