@@ -11,7 +11,7 @@ notices a finished job only every ~32 s).
 
 Nodes: by default one node named ``hostname -s``. For several nodes on one host, give each a
 ``Node`` with its own hostname/address and a ``prefix`` command that runs slurmd inside its
-namespaces (see tests/test_multinode.py); the address must be reachable from slurmctld.
+namespaces (see tests/launch/test_multinode.py); the address must be reachable from slurmctld.
 """
 from __future__ import annotations
 
@@ -454,7 +454,7 @@ SCRIPT = str(REPO / "launch" / "slurm.sbatch")
 
 
 def tiny_assets(folder: Path, n_agents: int) -> Dict[str, str]:
-    """Tiny backbone + synthetic fit set (as tests/test_preempt.py): seconds per round on CPU."""
+    """Tiny backbone + synthetic fit set (as tests/engine/test_preemption.py): seconds per round on CPU."""
     from transformers import AutoTokenizer
 
     from admm_dist.testing.synthetic import write_fitset

@@ -82,10 +82,10 @@ def _states(adapter, n_agents: int, seed: int = 0) -> Dict[int, torch.Tensor]:
 
 
 def _one(model: Model, backend: str, sz: Sizes, device: torch.device, log) -> Dict[str, object]:
-    from admm_dist.data import queries
     from admm_dist import tasks
-    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
+    from admm_dist.data import queries
     from admm_dist.mas import ChainConfig, ChainRunner
+    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
     from admm_dist.model.loading import load_model
 
     t0 = time.perf_counter()

@@ -13,7 +13,7 @@ What one run does, for every seed of ``--seeds``:
    of the seed reads the same file, so the arms differ only in how they train.
 2. **The arms** (:data:`ARMS`), each a real :class:`admm_dist.training.trainer.Trainer` run with the
    single-process backend (all nodes in one process on one backbone: the numbers of one
-   gloo rank per node, which ``tests/test_train.py`` checks for every arm):
+   gloo rank per node, which ``tests/training/test_trainer.py`` checks for every arm):
    ADMM-ring (the config as it is), ADMM-gossip (``consensus=gossip``, deployed per seat),
    Centralized (``pooled`` on one node), ADMM-Local (``local_only``, deployed per seat) and
    ADMM-NoDual (``no_dual``). ``key=value`` arguments override the config for every arm.

@@ -110,8 +110,8 @@ def score_rows(args, cfg, deploy_argv: List[str]) -> Dict[str, List[float]]:
 
 def train_arm(cfg) -> Dict[str, object]:
     """One Trainer run in this process; a refusal is a result, not a crash of the benchmark."""
-    from admm_dist.engine.dist import distributed
     from admm_dist.core.errors import UserError
+    from admm_dist.engine.dist import distributed
     from admm_dist.training.trainer import Trainer
 
     t0 = time.time()

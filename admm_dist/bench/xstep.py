@@ -91,8 +91,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from admm_dist.bench.common import CpuWindow, hush_future_warnings, load_footer, loadavg, write_json
-from admm_dist.bench.xstep_measure import (QUICK, Sizes, bench_ours, bench_overhead, bench_trl,
-                                           make_pairs, trl_version)
+from admm_dist.bench.xstep_measure import QUICK, Sizes, bench_ours, bench_overhead, bench_trl, make_pairs, trl_version
 
 
 def run(sz: Sizes, *, with_trl: bool = True, seed: int = 0, log=print) -> Dict[str, Any]:
@@ -104,8 +103,8 @@ def run(sz: Sizes, *, with_trl: bool = True, seed: int = 0, log=print) -> Dict[s
     out: Dict[str, Any] = {"sizes": dataclasses.asdict(sz), "torch": torch.__version__,
                            "python": platform.python_version(), "cpu_cores": os.cpu_count()}
     try:
-        import transformers
         import peft
+        import transformers
         out.update(transformers=transformers.__version__, peft=peft.__version__)
     except ImportError:  # pragma: no cover - both are dependencies
         pass

@@ -21,13 +21,12 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from admm_dist.data import fitset as fs
-from admm_dist.mas.seats import ROLE_SETS
-from admm_dist.mas.seats import adapted_seats
-from admm_dist.mas import prompt_modes, role_name
 from admm_dist.cli.common import OneLineParser, run_cli
 from admm_dist.core.errors import UserError
 from admm_dist.core.io import read_jsonl
+from admm_dist.data import fitset as fs
+from admm_dist.mas import ChainConfig, ChainRunner, prompt_modes, role_name
+from admm_dist.mas.seats import ROLE_SETS, adapted_seats
 
 PROG = "admm-dist-build-fitset"
 
@@ -73,7 +72,6 @@ def refit_prompts(chains: List[dict], mode: str, model_name: Optional[str]) -> D
     """Every chain's seat prompts re-rendered under ``mode`` (index in ``chains`` -> prompts)."""
     from transformers import AutoTokenizer
 
-    from admm_dist.mas import ChainConfig, ChainRunner
 
     out: Dict[int, List[str]] = {}
     toks: dict = {}

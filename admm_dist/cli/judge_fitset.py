@@ -19,13 +19,13 @@ import dataclasses
 import sys
 from typing import Dict, Optional, Sequence
 
-from admm_dist.data import fitset as fs
 from admm_dist import tasks
-from admm_dist.mas.judge import Judge
-from admm_dist.tasks.scoring import visible
 from admm_dist.cli.common import OneLineParser, run_cli
 from admm_dist.core.errors import UserError
+from admm_dist.data import fitset as fs
 from admm_dist.engine.dist import resolve_device
+from admm_dist.mas.judge import Judge
+from admm_dist.tasks.scoring import visible
 
 PROG = "admm-dist-judge-fitset"
 

@@ -20,6 +20,7 @@ import typing
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 import yaml
+
 from admm_dist.core.errors import UserError
 
 T = TypeVar("T")

@@ -35,8 +35,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from admm_dist.engine.comm import CONSENSUS, Communicator
 from admm_dist.core.errors import RunError, UserError
+from admm_dist.engine.comm import CONSENSUS, Communicator
 
 # x-step: (node, x (updated in place), proximal centre z_i - u_i or None, rho) -> f_i
 XStep = Callable[[int, torch.Tensor, Optional[torch.Tensor], float], float]

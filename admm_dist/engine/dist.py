@@ -24,6 +24,7 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+
 from admm_dist.core.constants import DEFAULT_TIMEOUT_S
 from admm_dist.core.errors import UserError
 

@@ -22,11 +22,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from admm_dist.core.constants import LSQ_SALT
+from admm_dist.core.errors import UserError
+from admm_dist.core.io import atomic_write_json
 from admm_dist.engine.admm import ADMMConfig, ADMMEngine, RoundRecord
 from admm_dist.engine.comm import MODES, TOPOLOGIES, make_communicator
 from admm_dist.engine.dist import distributed
-from admm_dist.core.constants import LSQ_SALT
-from admm_dist.core.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -184,7 +185,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if ctx.rank == 0:
             print(json.dumps(summary))
             if args.json:
-                from admm_dist.core.io import atomic_write_json
                 atomic_write_json(args.json, {"summary": summary,
                                               "rounds": [r.as_dict() for r in history]})
     return 0

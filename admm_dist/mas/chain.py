@@ -27,10 +27,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from admm_dist.tasks.scoring import visible
+from admm_dist.core.errors import UserError
 from admm_dist.mas import prompts as P
 from admm_dist.mas.generate import generate
-from admm_dist.core.errors import UserError
+from admm_dist.tasks.scoring import visible
 
 SeedFn = Callable[[int, int], Optional[int]]   # (row, seat) -> seed, None = greedy
 

@@ -35,12 +35,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from admm_dist import tasks
 from admm_dist.core.constants import PRESCREEN_SALT
 from admm_dist.core.errors import UserError
 from admm_dist.data import queries
-from admm_dist import tasks
 from admm_dist.data.fitset import Example, FitSet
 from admm_dist.mas import ChainRunner, row_seed
+from admm_dist.mas.prompts import role_name
+from admm_dist.model.loading import load_model
 
 COLLECT_KEY = ("task", "prompt", "think", "n_agents", "adapt_roles", "credit", "reward",
                "fit_mode", "anchors", "group", "seed", "downstream_seed", "sink_tokens",
@@ -244,7 +246,6 @@ class Collector:
 
 
 def _role(seat: int) -> str:
-    from admm_dist.mas.prompts import role_name
     return role_name(seat)
 
 
@@ -276,8 +277,6 @@ def chain_runner(cfg, model, tokenizer, *, adapter=None, states=None, seat_model
 
 def load_seat_models(backbones: Dict[int, str], device) -> Dict[int, Tuple[Any, Any]]:
     """``agent_models``: {seat: (model, tokenizer)}, each from a folder or a hub id."""
-    from admm_dist.model.loading import load_model
-
     return {seat: load_model(src, device, what=f"agent_models seat {seat}")
             for seat, src in backbones.items()}
 

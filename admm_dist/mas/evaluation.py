@@ -36,16 +36,20 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from admm_dist.data import queries
 from admm_dist import tasks
-from admm_dist.core.io import atomic_write_bytes, atomic_write_json
-from admm_dist.mas import ChainConfig, ChainRunner, prompt_modes, role_name
-from admm_dist.tasks.scoring import visible
-from admm_dist.mas.seats import adapted_seats, parse_agent_models
 from admm_dist.core.errors import UserError
-from admm_dist.core.io import read_json
+from admm_dist.core.io import atomic_write_bytes, atomic_write_json, read_json
+from admm_dist.data import queries
 from admm_dist.engine.dist import resolve_device
+from admm_dist.mas import ChainConfig, ChainRunner, role_name
+from admm_dist.mas.judge import Judge
+from admm_dist.mas.seats import adapted_seats, parse_agent_models
+from admm_dist.mas.vllm_backend import VLLMBackend
+from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
 from admm_dist.model.loading import check_model_src, load_model
+from admm_dist.tasks.sandbox import isolation
+from admm_dist.tasks.scoring import visible
+
 
 # --------------------------------------------------------------------------- deployed states
 @dataclasses.dataclass
@@ -60,8 +64,6 @@ class Deploy:
 
 
 def adapter_config_of_run(cfg: dict):
-    from admm_dist.model.adapter import AdapterConfig
-
     keys = ("lora_rank", "lora_alpha", "lora_layers_last", "lora_targets")
     if not all(k in cfg for k in keys):
         raise UserError("the run's seat_map.json has no adapter settings (lora_*) in its config: "
@@ -85,7 +87,6 @@ def run_reports(run_cfg: dict, run_dir: str) -> List[str]:
 
 
 def from_adapter(path: str, deploy: str, seats: Callable[[dict], List[int]]) -> Deploy:
-    from admm_dist.model.adapter import AdapterConfig
     from admm_dist.model.vectors import load_vector
 
     if deploy == "local":
@@ -199,7 +200,6 @@ def prepare(args):
     if args.judge and not safety:
         raise UserError(f"--judge is for safety tasks; {args.task} is scored by its {spec.answer_type} answers")
     if spec.answer_type == "code":   # no sandbox, no scoring: say so before any model loads
-        from admm_dist.tasks.sandbox import isolation
         isolation()
     n = args.n_agents
     if n < 1:
@@ -246,16 +246,12 @@ def roll_out(args, dep, agent_models, chain, rows, settings, device):
     model, tok = load_model(settings["model_name"], device)
     adapter, states = None, {}
     if dep:
-        from admm_dist.model.adapter import BOnlyLoRA
-
         adapter = BOnlyLoRA(model, dep.adapter_config)
         states = {s: v for s, v in dep.vectors(adapter).items() if s not in agent_models}
         model = adapter.model
     others = {p: load_model(p, device, what="--agent_models") for p in sorted(set(agent_models.values()))}
     generator = None
     if args.generation_backend == "vllm":
-        from admm_dist.mas.vllm_backend import VLLMBackend
-
         generator = VLLMBackend(settings["model_name"], tok, adapter, seed=args.seed)   # its own work folder
     try:
         runner = ChainRunner(model, tok, chain, adapter=adapter, seat_states=states,
@@ -269,8 +265,6 @@ def roll_out(args, dep, agent_models, chain, rows, settings, device):
 
 def judge_chains(src: str, chains, device, batch_size: int):
     """Safety outcome per chain from the judge's verdict on the final message."""
-    from admm_dist.mas.judge import Judge
-
     judge = Judge.load(src, device, batch_size=batch_size)
     verdicts = judge.harmful([str(it.get("behavior") or it["gold"]) for it, _ in chains],
                              [visible(r.final_text) for _, r in chains],

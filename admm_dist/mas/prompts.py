@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence
+
 from admm_dist.core.errors import UserError
 
 ROLES = ("Planner", "Critic", "Refiner", "Judger")

@@ -9,7 +9,7 @@ for B) need, which makes the x-step's local steps faster and lighter on memory
 
 :func:`install_fused_forward` routes one PEFT ``LoraLayer``'s forward through it;
 :class:`~admm_dist.model.adapter.BOnlyLoRA` installs it on every layer it wraps unless built
-with ``fast_path=False``. It computes what PEFT's forward computes (``tests/test_adapter.py``
+with ``fast_path=False``. It computes what PEFT's forward computes (``tests/model/test_adapter.py``
 compares the two).
 """
 from __future__ import annotations

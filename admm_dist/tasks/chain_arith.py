@@ -17,8 +17,9 @@ import random
 import re
 from typing import Dict, List, Optional, Tuple
 
-from admm_dist.tasks.registry import TaskSpec, register
 from admm_dist.core.errors import UserError
+from admm_dist.core.text import visible
+from admm_dist.tasks.registry import TaskSpec, register
 
 OPS = ("+", "-", "*")
 EVAL_SHARE = 0.2
@@ -84,8 +85,6 @@ _ANSWER = re.compile(r"Answer:\s*(-?\d+)")
 def score_chain_arith(text: str, item: dict) -> Tuple[Optional[str], bool]:
     """The number on the last ``Answer:`` line of the final message; no such line is wrong
     (a last seat that does one more step instead of answering has not answered)."""
-    from admm_dist.tasks.scoring import visible
-
     found = _ANSWER.findall(visible(text))
     pred = str(int(found[-1])) if found else None
     return pred, pred is not None and pred == str(item["gold"])

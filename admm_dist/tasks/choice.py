@@ -18,9 +18,9 @@ from __future__ import annotations
 import random
 from typing import List
 
-from admm_dist.tasks.registry import TaskSpec, register
-from admm_dist.tasks.common import Hub, build, choice_item, col, structured
 from admm_dist.core.errors import UserError
+from admm_dist.tasks.common import Hub, build, choice_item, col, structured
+from admm_dist.tasks.registry import TaskSpec, register
 
 GPQA = Hub("Idavidrein/gpqa", ("gpqa_diamond",), splits=(("eval", "train"), ("train", "train")))
 ARC_EASY = Hub("allenai/ai2_arc", ("ARC-Easy",))

@@ -17,9 +17,9 @@ from __future__ import annotations
 import re
 from typing import List
 
-from admm_dist.tasks.registry import TaskSpec, register
-from admm_dist.tasks.common import Hub, build, col, make_item, structured
 from admm_dist.core.errors import UserError
+from admm_dist.tasks.common import Hub, build, col, make_item, structured
+from admm_dist.tasks.registry import TaskSpec, register
 
 MBPPPLUS = Hub("evalplus/mbppplus", splits=(("eval", "test"), ("train", "test")))
 HUMANEVALPLUS = Hub("evalplus/humanevalplus", splits=(("eval", "test"), ("train", "test")))

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
+
 from admm_dist.core.errors import UserError
 
 LETTERS = "ABCDEFGHIJ"

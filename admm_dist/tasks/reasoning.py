@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 from typing import List
 
-from admm_dist.tasks.scoring import extract_number
-from admm_dist.tasks.registry import TaskSpec, register
-from admm_dist.tasks.common import Hub, build, col, make_item
 from admm_dist.core.errors import UserError
+from admm_dist.tasks.common import Hub, build, col, make_item
+from admm_dist.tasks.registry import TaskSpec, register
+from admm_dist.tasks.scoring import extract_number
 
 GSM8K = Hub("openai/gsm8k", ("main",))
 AIME2024 = Hub("HuggingFaceH4/aime_2024", splits=(("eval", "train"), ("train", "train")))

@@ -54,5 +54,5 @@ def score(name: str, text: str, item: dict) -> Tuple[Optional[str], bool]:
     spec = get(name)
     if spec.scorer is not None:
         return spec.scorer(text, item)
-    from admm_dist.tasks.scoring import score_item   # scoring imports the sandbox: load it late
+    from admm_dist.tasks.scoring import score_item  # scoring imports the sandbox: load it late
     return score_item(text, item)

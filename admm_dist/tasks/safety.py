@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import List
 
-from admm_dist.tasks.registry import TaskSpec, register
 from admm_dist.tasks.common import Hub, build, col, make_item
+from admm_dist.tasks.registry import TaskSpec, register
 
 HARMBENCH = Hub("walledai/HarmBench", ("standard",), splits=(("eval", "train"), ("train", "train")))
 

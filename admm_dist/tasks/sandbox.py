@@ -49,8 +49,17 @@ from typing import Dict, Optional, Tuple
 
 from admm_dist.core.errors import RunError
 from admm_dist.tasks.bubblewrap import (
-    NPROC, SANDBOX_GID, SANDBOX_UID, SHM_MB, TMPFS_MB, bwrap_argv, minimal_env, pid1_fd,
-    seccomp_filter, write_etc)
+    NPROC,
+    SANDBOX_GID,
+    SANDBOX_UID,
+    SHM_MB,
+    TMPFS_MB,
+    bwrap_argv,
+    minimal_env,
+    pid1_fd,
+    seccomp_filter,
+    write_etc,
+)
 
 TAIL_CHARS = 2000
 FSIZE_MB = 16

@@ -37,10 +37,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from admm_dist.core import io as aio
-from admm_dist.mas import ChainConfig, ChainRunner
-from admm_dist.tasks.scoring import extract_number, visible
-from admm_dist.tasks.chain_arith import apply_op, load_chain_arith, score_chain_arith
 from admm_dist.core.errors import UserError
+from admm_dist.mas import ChainConfig, ChainRunner
+from admm_dist.tasks.chain_arith import apply_op, load_chain_arith, score_chain_arith
+from admm_dist.tasks.scoring import extract_number, visible
+from admm_dist.testing.tiny import char_tokenizer, tiny_qwen3
 
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "assets" / "standin"   # admm_dist/testing/ -> repo
 PROMPT, WORDS = "sequential_v2", "compact"
@@ -142,8 +143,6 @@ RECIPE = dict(steps=600, batch=128, lr=3e-3, warmup=50, schedule_steps=1200, hid
 def train(out: str, *, seed: int = 0, threads: int = 2, log_every: int = 50,
           snapshot_every: int = 0, log=print, **overrides) -> Dict[str, object]:
     """Train the stand-in from scratch and write it (safetensors, config, tokenizer) to ``out``."""
-    from admm_dist.testing.tiny import char_tokenizer, tiny_qwen3
-
     unknown = set(overrides) - set(RECIPE)
     if unknown:
         raise UserError(f"unknown recipe keys {sorted(unknown)}: use {', '.join(RECIPE)}")

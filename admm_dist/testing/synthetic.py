@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence
 
 from admm_dist.data.fitset import Example, save_fitset
 from admm_dist.mas.prompts import role_name
+from admm_dist.testing.tiny import save_tiny_backbone
 
 
 def _prompt(tokenizer, role: str, question: str) -> str:
@@ -65,8 +66,6 @@ def write_fitset(path: str, *, settings: Dict[str, object], fit_mode: str = "dpo
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from admm_dist.testing.tiny import save_tiny_backbone
-
     p = argparse.ArgumentParser(prog="python -m admm_dist.testing.synthetic", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for backbone/ and fitset-*.jsonl")
     p.add_argument("--n_agents", type=int, default=4)

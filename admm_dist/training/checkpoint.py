@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from admm_dist.core.io import atomic_write_bytes, atomic_write_json
 from admm_dist.core.errors import UserError
+from admm_dist.core.io import atomic_write_bytes, atomic_write_json
 
 _ROUND_DIR = re.compile(r"^round-(\d{6})$")
 

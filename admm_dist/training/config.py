@@ -22,21 +22,21 @@ import hashlib
 import json
 import math
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from admm_dist.core.config_file import default_of
 from admm_dist.core.constants import DEFAULT_TIMEOUT_S
 from admm_dist.core.errors import UserError
-from admm_dist.engine.admm import ADMMConfig
-from admm_dist.model.adapter import AdapterConfig
-from admm_dist.model.objectives import KL_REFS, ObjectiveConfig
-from admm_dist.engine.comm import COMM_BACKENDS, MODES, TOPOLOGIES
 from admm_dist.data.derive import FIT_FILTERS
 from admm_dist.data.fitset import PARTITION_MODES
+from admm_dist.engine.admm import ADMMConfig
+from admm_dist.engine.comm import COMM_BACKENDS, MODES, TOPOLOGIES
 from admm_dist.mas.chain import ChainConfig
 from admm_dist.mas.collection import CREDITS, REWARDS, Collector
 from admm_dist.mas.prompts import prompt_modes, role_name
 from admm_dist.mas.seats import GENERATION_BACKENDS, ROLE_SETS, adapted_seats, parse_agent_models
+from admm_dist.model.adapter import AdapterConfig
+from admm_dist.model.objectives import KL_REFS, ObjectiveConfig
 
 # Keys that do not change what is computed: a checkpoint or a fit set made under
 # other values of these is still valid.

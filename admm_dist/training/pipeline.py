@@ -9,10 +9,10 @@ import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from admm_dist import tasks
+from admm_dist.core.errors import UserError
 from admm_dist.data import derive as dv
 from admm_dist.data import fitset as fs
 from admm_dist.data import partition as pt
-from admm_dist.core.errors import UserError
 from admm_dist.mas.collection import collect_key
 from admm_dist.training.config import TrainConfig
 from admm_dist.training.report import TrainReport

@@ -34,9 +34,9 @@ from admm_dist.engine.preemption import Preempted, PreemptionFlag, agree
 from admm_dist.mas.collection import chain_runner, collect_fitset, gather_json, load_seat_models
 from admm_dist.model import batches as bt
 from admm_dist.model import objectives as obj
-from admm_dist.model.objectives import ObjectiveConfig
 from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
 from admm_dist.model.loading import load_model
+from admm_dist.model.objectives import ObjectiveConfig
 from admm_dist.model.vectors import check_same_basis, hash_to_int64_row, int64_row_to_hash, load_vector
 from admm_dist.training import checkpoint as ckpt
 from admm_dist.training import pipeline, resume
@@ -218,7 +218,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.generation_backend == "hf" or self._generator is not None:
             return self._generator
-        from admm_dist.mas.vllm_backend import VLLMBackend   # vLLM loads only when asked for
+        from admm_dist.mas.vllm_backend import VLLMBackend  # vLLM loads only when asked for
 
         self.talk(f"starting a vLLM engine on every rank ({cfg.model_name}, LoRA rank {cfg.lora_rank})")
         self._generator = VLLMBackend(

@@ -12,15 +12,17 @@ from typing import Optional
 import torch.distributed as dist
 
 from admm_dist.core.constants import DEFAULT_TIMEOUT_S
-
+from admm_dist.core.errors import UserError
 from admm_dist.engine.comm.base import MODES, CommError, Communicator, check_mode
 from admm_dist.engine.comm.local import LocalCommunicator
-from admm_dist.engine.comm.meter import (
-    CONSENSUS, TELEMETRY, ByteMeter, chunk_bounds, chunk_sizes, ring_bytes_per_rank)
+from admm_dist.engine.comm.meter import CONSENSUS, TELEMETRY, ByteMeter, chunk_bounds, chunk_sizes, ring_bytes_per_rank
 from admm_dist.engine.comm.process_group import (
-    CoordinatorCommunicator, GossipCommunicator, ProcessGroupCommunicator, RingCommunicator)
+    CoordinatorCommunicator,
+    GossipCommunicator,
+    ProcessGroupCommunicator,
+    RingCommunicator,
+)
 from admm_dist.engine.comm.topology import TOPOLOGIES, metropolis_weights, mixing_matrix, neighbours
-from admm_dist.core.errors import UserError
 
 COMM_BACKENDS = ("auto", "process_group", "local")   # one process per node, all in one, or by the group
 _PG_IMPLS = {"coordinator": CoordinatorCommunicator, "ring": RingCommunicator,

@@ -21,9 +21,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from admm_dist.core.errors import RunError, UserError
 from admm_dist.engine.comm.meter import TELEMETRY, ByteMeter, ring_bytes_per_rank
 from admm_dist.engine.comm.topology import TOPOLOGIES, metropolis_weights, neighbours
-from admm_dist.core.errors import RunError, UserError
 
 MODES = ("coordinator", "ring", "gossip")
 

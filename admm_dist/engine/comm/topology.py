@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from typing import Dict, List, Tuple
+
 from admm_dist.core.errors import UserError
 
 TOPOLOGIES = ("ring", "complete", "expander", "grid", "chain")

@@ -1,7 +1,7 @@
 """launch/slurm.sbatch on a real single-host SLURM (tests/cluster.py): preemption by USR2,
 requeue, resume=auto, and that a neighbouring job on the same node is left alone.
 
-Slow (``python3 -m pytest -m slow tests/test_slurm.py``); needs root and slurm-wlm.
+Slow (``python3 -m pytest -m slow tests/launch/test_slurm.py``); needs root and slurm-wlm.
 """
 import os
 import re
@@ -11,8 +11,21 @@ import time
 
 import pytest
 
-from cluster import (SCRIPT, REPO, Cluster, assert_same_outputs, environ_of, has_checkpoint, log_of, missing,
-                     pids_of, submit_dir, tiny_assets, train_args, wait_for)
+from cluster import (
+    REPO,
+    SCRIPT,
+    Cluster,
+    assert_same_outputs,
+    environ_of,
+    has_checkpoint,
+    log_of,
+    missing,
+    pids_of,
+    submit_dir,
+    tiny_assets,
+    train_args,
+    wait_for,
+)
 
 N = 3
 K = 40   # rounds: long enough that the neighbour is mid-run when the USR2 comes

@@ -2,8 +2,8 @@
 import pytest
 
 from admm_dist import tasks
-from admm_dist.tasks.scoring import extract_number, score
 from admm_dist.tasks.chain_arith import apply_op, split_of
+from admm_dist.tasks.scoring import extract_number, score
 
 
 def test_registry_resolves_and_rejects_names():

@@ -1,13 +1,13 @@
 """``generation_backend``: its settings are checked, and without vLLM installed the vllm
-backend is one line naming the install command (the backend itself: tests/test_vllm.py)."""
+backend is one line naming the install command (the backend itself: tests/mas/test_vllm_backend.py)."""
 import importlib.util
 import subprocess
 import sys
 
 import pytest
 
-from admm_dist.testing import standin
 from admm_dist.mas.collection import collect_key
+from admm_dist.testing import standin
 from admm_dist.training.config import TrainConfig
 
 NO_VLLM = importlib.util.find_spec("vllm") is None
@@ -26,7 +26,7 @@ def test_hf_is_the_default_and_keeps_older_fingerprints_and_fit_set_keys():
         TrainConfig(vllm_kv_cache_gib=0)
 
 
-@pytest.mark.skipif(not NO_VLLM, reason="vLLM is installed here: the backend runs (tests/test_vllm.py)")
+@pytest.mark.skipif(not NO_VLLM, reason="vLLM is installed here: the backend runs (tests/mas/test_vllm_backend.py)")
 def test_without_vllm_both_commands_say_how_to_install_it(tmp_path):
     ev = subprocess.run([sys.executable, "-m", "admm_dist.evaluate", "--task", "chain_arith", "--n", "2",
                          "--model_name", str(standin.DEFAULT_DIR), "--generation_backend", "vllm",

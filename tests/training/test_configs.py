@@ -7,7 +7,9 @@ import pytest
 from admm_dist.core import config_file as C
 from admm_dist.training.config import TrainConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
+ROOT = str(REPO)
 FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True))
 
 

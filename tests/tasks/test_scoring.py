@@ -5,8 +5,9 @@ import time
 import pytest
 
 from admm_dist.tasks.sandbox import run_python
-from procs import subreaper
 from admm_dist.tasks.scoring import extract_choice, extract_code, extract_number, score, score_item
+
+from procs import subreaper
 
 
 @pytest.mark.parametrize("text,want", [

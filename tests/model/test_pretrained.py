@@ -1,6 +1,6 @@
 """Real pretrained models from packages (admm_dist.model.pretrained): what fails says how to fix it.
 
-The end-to-end run on SmolLM2 is tests/test_smollm2.py (slow)."""
+The end-to-end run on SmolLM2 is tests/model/test_smollm2.py (slow)."""
 import subprocess
 import sys
 

@@ -7,8 +7,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from admm_dist.model.adapter import LORA_TARGETS, AdapterConfig, AdapterError, BOnlyLoRA
-from admm_dist.model.vectors import (
-    check_same_basis, hash_to_int64_row, int64_row_to_hash, load_vector, save_vector)
+from admm_dist.model.vectors import check_same_basis, hash_to_int64_row, int64_row_to_hash, load_vector, save_vector
 from admm_dist.testing.tiny import char_tokenizer, tiny_qwen3
 
 HIDDEN, INTER, LAYERS = 64, 256, 2  # tiny_qwen3 defaults: 4 heads of 16, intermediate 4*hidden

@@ -13,11 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from admm_dist.engine.launcher import launch_cpu
-from admm_dist.training.config import TrainConfig
-from admm_dist.testing.synthetic import write_fitset
 from admm_dist.testing import faults
+from admm_dist.testing.synthetic import write_fitset
 from admm_dist.testing.tiny import save_tiny_backbone
+from admm_dist.training.config import TrainConfig
 from admm_dist.training.trainer import Trainer
+
+from conftest import train_local
 
 N = 3
 
@@ -53,13 +55,6 @@ def _train_worker(ctx, cfg):
     return report["loss_curve"]
 
 
-def _local(cfg):
-    from admm_dist.engine.dist import distributed, read_env
-
-    with distributed("cpu", env=read_env({})) as ctx:
-        return Trainer(cfg, ctx).train()
-
-
 ARMS = {
     "ring": dict(consensus="ring"),
     "coordinator": dict(consensus="coordinator"),
@@ -81,7 +76,7 @@ def test_distributed_arm_equals_single_process(arm, assets, tmp_path):
         launch_cpu(_train_worker, nproc, dist_cfg, timeout_s=120)
     else:  # the centralized arm is one node: a world of one under the launcher
         launch_cpu(_train_worker, 1, dist_cfg, timeout_s=120)
-    report = _local(local_cfg)
+    report = train_local(local_cfg)
     key = "x" if arm == "local_only" else "z"
     nodes = 1 if kw.get("pooled") else N
     for i in range(nodes):
@@ -111,7 +106,7 @@ def test_dpo_loss_falls_and_the_exported_peft_adapter_reproduces_logits(assets, 
 
     cfg = _cfg(assets, tmp_path, k_outer=5, local_steps=4, eta=0.02, export_peft=True,
                dev_frac=0.25)
-    report = _local(cfg)
+    report = train_local(cfg)
     f = report["loss_curve"]
     assert f[0][0] < 0.6932 + 1e-3  # starts at about log 2 (B = 0) and can only have fallen
     assert sum(f[-1]) < 0.8 * sum(f[0])
@@ -244,27 +239,27 @@ def test_an_adapter_that_did_not_move_is_not_written(assets, tmp_path, capsys):
 def test_dry_run_and_anchor_partition(assets, tmp_path):
     cfg = _cfg(assets, tmp_path, dry_run=True, partition="anchor", n_partitions=2,
                no_grad_checkpointing=True)
-    report = _local(cfg)
+    report = train_local(cfg)
     # every example lands on exactly one of the two anchor partitions
     assert len(report["node_sizes"]) == 2 and sum(report["node_sizes"]) == 3 * 16
     assert report["n_nodes"] == 2 and min(report["node_sizes"]) >= 16
     assert os.path.exists(tmp_path / "reports" / "run-train-dryrun.json")  # beside, never over, a result
     assert not os.path.exists(cfg.out + "-last.safetensors")
     with pytest.raises(Exception, match="fewer than 16"):
-        _local(_cfg(assets, tmp_path, dry_run=True, partition="anchor", n_partitions=4))
+        train_local(_cfg(assets, tmp_path, dry_run=True, partition="anchor", n_partitions=4))
 
 
 def test_warm_start_with_the_collection_policy_as_kl_reference(assets, tmp_path):
     import math
 
-    first = _local(_cfg(assets, tmp_path / "a", k_outer=2, local_steps=2))
+    first = train_local(_cfg(assets, tmp_path / "a", k_outer=2, local_steps=2))
     warm = _cfg(assets, tmp_path / "b", k_outer=1, local_steps=1,
                 init_state=str(tmp_path / "a" / "run-last.safetensors"))
     # reference = the warm-start adapter: the first step's policy equals it (loss log 2, KL 0)
-    f_collect = _local(dataclass_replace(warm, kl_ref="collect"))["loss_curve"][0]
+    f_collect = train_local(dataclass_replace(warm, kl_ref="collect"))["loss_curve"][0]
     assert all(abs(v - math.log(2)) < 1e-5 for v in f_collect), f_collect
     # reference = the backbone without adapters: the warm start already prefers chosen
-    f_frozen = _local(dataclass_replace(warm, kl_ref="frozen",
+    f_frozen = train_local(dataclass_replace(warm, kl_ref="frozen",
                                         out=str(tmp_path / "c" / "run")))["loss_curve"][0]
     assert all(v < math.log(2) - 0.05 for v in f_frozen), f_frozen
     assert first["delta_w_rel"] > 0
@@ -301,7 +296,7 @@ def test_sft_rsft_and_derived_dpo_from_an_sft_fit_set(assets, tmp_path, fit_mode
     tok = AutoTokenizer.from_pretrained(assets["backbone"])
     sft = write_fitset(str(tmp_path / "sft.jsonl"), fit_mode="sft", per_seat=16,
                        settings=assets["settings"], tokenizer=tok)
-    report = _local(_cfg(assets, tmp_path, fitset_cache=sft, fit_mode=fit_mode, k_outer=3,
+    report = train_local(_cfg(assets, tmp_path, fitset_cache=sft, fit_mode=fit_mode, k_outer=3,
                          local_steps=3))
     # rsft keeps the successful half of the rollouts; dpo pairs them with the failed half
     assert report["node_sizes"] == [32 if fit_mode == "sft" else 16] * N
@@ -320,13 +315,13 @@ def test_local_only_with_an_empty_seat_writes_the_seats_that_moved(assets, tmp_p
     fs.save_fitset(path, keep, fit_mode=f.fit_mode, settings=f.settings, stats=f.stats,
                    anchor_keys=f.anchor_keys)
     cfg = _cfg(assets, tmp_path, fitset_cache=path, local_only=True, empty_nodes="prox")
-    report = _local(cfg)
+    report = train_local(cfg)
     dw = report["delta_w_rel"]
     assert report["node_sizes"][2] == 0 and dw[2] == 0.0 and dw[0] > 1e-6 and dw[1] > 1e-6
     x2 = load_file(str(tmp_path / "run" / "node-2.safetensors"))["x"]
     assert torch.count_nonzero(x2) == 0
     # a coupled run with the same empty seat still moves it (it follows the consensus)
-    report = _local(_cfg(assets, tmp_path / "coupled", fitset_cache=path, empty_nodes="prox"))
+    report = train_local(_cfg(assets, tmp_path / "coupled", fitset_cache=path, empty_nodes="prox"))
     assert report["delta_w_rel"] > 1e-6
 
 

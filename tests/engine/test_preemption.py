@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-
 N = 3
 
 

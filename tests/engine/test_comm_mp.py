@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from admm_dist.engine.comm import (
-    TOPOLOGIES, CommError, LocalCommunicator, make_communicator, ring_bytes_per_rank)
+from admm_dist.engine.comm import TOPOLOGIES, CommError, LocalCommunicator, make_communicator, ring_bytes_per_rank
 from admm_dist.engine.comm.wire import interface_tx_bytes
 from admm_dist.engine.launcher import launch_cpu
 

@@ -1,6 +1,6 @@
 """The trainer and the evaluator with ``generation_backend vllm`` (needs vLLM: docs/vllm.md).
 
-    .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_train.py
+    .venv-vllm/bin/python -m pytest -q -m vllm tests/mas/test_vllm_train.py
 
 Two gloo ranks (the middle seats of the stand-in's 4-seat chain are adapted), each with its
 own vLLM engine; the second collection runs under the consensus adapter trained in round 1.
@@ -15,12 +15,14 @@ import tempfile
 
 import pytest
 
+from conftest import REPO
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed in this environment (run in .venv-vllm: see docs/vllm.md)",
                 allow_module_level=True)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 
 def test_two_ranks_collect_with_vllm_train_recollect_and_evaluate(tmp_path):

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from admm_dist.testing import standin
-from admm_dist.tasks.scoring import extract_number
 from admm_dist.tasks.chain_arith import load_chain_arith
+from admm_dist.tasks.scoring import extract_number
+from admm_dist.testing import standin
 
 SHIPPED = str(standin.DEFAULT_DIR)
 

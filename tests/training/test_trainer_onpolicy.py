@@ -7,13 +7,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from admm_dist.testing import standin
+from admm_dist.core.errors import UserError
 from admm_dist.data.fitset import load_fitset
 from admm_dist.engine.launcher import launch_cpu
+from admm_dist.testing import faults, standin
 from admm_dist.training.config import TrainConfig
-from admm_dist.core.errors import UserError
-from admm_dist.testing import faults
 from admm_dist.training.trainer import Trainer
+
+from conftest import train_local
 
 
 def _cfg(tmp, **kw):
@@ -27,13 +28,6 @@ def _cfg(tmp, **kw):
     return TrainConfig(**base)
 
 
-def _local(cfg):
-    from admm_dist.engine.dist import distributed, read_env
-
-    with distributed("cpu", env=read_env({})) as ctx:
-        return Trainer(cfg, ctx).train()
-
-
 def _worker(ctx, cfg):
     Trainer(cfg, ctx).train()
     return True
@@ -41,7 +35,7 @@ def _worker(ctx, cfg):
 
 def test_recollection_takes_fresh_queries_and_the_cache_is_keyed(tmp_path):
     cache = tmp_path / "fit.jsonl"
-    rep = _local(_cfg(tmp_path, recollect_every=1, fitset_cache=str(cache)))
+    rep = train_local(_cfg(tmp_path, recollect_every=1, fitset_cache=str(cache)))
     cols = rep["collections"]
     assert [c["collection"] for c in cols] == [0, 1] and rep["fitset_provenance"] == "collected"
     assert len(rep["anchor_keys"]) == 12   # two disjoint slices of 6 queries: all listed for evaluation
@@ -49,18 +43,18 @@ def test_recollection_takes_fresh_queries_and_the_cache_is_keyed(tmp_path):
     assert f.settings["sampling_structure"] == "on_policy" and f.fit_mode == "sft"
     assert set(f.anchor_keys) < set(rep["anchor_keys"])
     # the second run reads the cache instead of collecting
-    rep2 = _local(_cfg(tmp_path / "again", fitset_cache=str(cache)))
+    rep2 = train_local(_cfg(tmp_path / "again", fitset_cache=str(cache)))
     assert rep2["fitset_provenance"] == "file" and "collections" not in rep2
     # a cache built under other collection settings is refused, naming the key
     with pytest.raises(UserError, match="group"):
-        _local(_cfg(tmp_path / "other", fitset_cache=str(cache), group=5))
+        train_local(_cfg(tmp_path / "other", fitset_cache=str(cache), group=5))
 
 
 def test_four_gloo_ranks_collect_and_train_like_one_process(tmp_path):
     local = _cfg(tmp_path / "local")
     dist = _cfg(tmp_path / "dist")
     launch_cpu(_worker, 4, dist, timeout_s=300)
-    rep = _local(local)
+    rep = train_local(local)
     zd = load_file(str(tmp_path / "dist" / "run-last.safetensors"))
     zl = load_file(str(tmp_path / "local" / "run-last.safetensors"))
     (kd,), (kl,) = zd.keys(), zl.keys()
@@ -74,9 +68,9 @@ def test_four_gloo_ranks_collect_and_train_like_one_process(tmp_path):
 
 def test_collection_errors_are_one_line(tmp_path):
     with pytest.raises(UserError, match="sink_tokens > 0"):
-        _local(_cfg(tmp_path, sink_tokens=0))
+        train_local(_cfg(tmp_path, sink_tokens=0))
     with pytest.raises(UserError, match="judge_fitset"):
-        _local(_cfg(tmp_path, reward="judge"))
+        train_local(_cfg(tmp_path, reward="judge"))
     with pytest.raises(ValueError, match="anchor_pass_band"):
         _cfg(tmp_path, anchor_pass_band="0.5")
 
@@ -115,8 +109,8 @@ def test_agent_models_puts_another_backbone_in_one_seat(tmp_path):
     """A compromised seat: seat 1 runs on the random tiny backbone during collection."""
     tiny = os.path.join(os.path.dirname(str(standin.DEFAULT_DIR)), "tiny", "backbone")
     kw = dict(anchors=4, group=2, k_outer=1, credit="shared", fit_mode="sft")
-    _local(_cfg(tmp_path / "a", fitset_cache=str(tmp_path / "a.jsonl"), **kw))
-    _local(_cfg(tmp_path / "b", fitset_cache=str(tmp_path / "b.jsonl"), agent_models=f"1={tiny}", **kw))
+    train_local(_cfg(tmp_path / "a", fitset_cache=str(tmp_path / "a.jsonl"), **kw))
+    train_local(_cfg(tmp_path / "b", fitset_cache=str(tmp_path / "b.jsonl"), agent_models=f"1={tiny}", **kw))
     a, b = load_fitset(str(tmp_path / "a.jsonl")), load_fitset(str(tmp_path / "b.jsonl"))
     seat = lambda f, k: [e.target for e in f.examples if e.seat == k]  # noqa: E731
     assert seat(a, 0) == seat(b, 0)          # upstream of the swapped seat: unchanged

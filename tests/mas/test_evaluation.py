@@ -8,10 +8,12 @@ import sys
 import pytest
 import torch
 
-from admm_dist.data import queries
 from admm_dist.cli.evaluate import main
+from admm_dist.data import queries
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
+ROOT = str(REPO)
 STANDIN = os.path.join(ROOT, "assets", "standin")
 TINY = os.path.join(ROOT, "assets", "tiny", "backbone")
 ADAPTER = dict(lora_rank=4, lora_alpha=8.0, lora_layers_last=2, lora_basis_seed=42)

@@ -12,8 +12,10 @@ import torch
 
 from admm_dist.model import pretrained
 
+from conftest import REPO
+
 pytestmark = pytest.mark.slow
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,8 @@ def smollm2(tmp_path_factory):
 def test_the_built_folder_is_a_plain_llama_with_bpe_and_its_chat_template(smollm2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
     from admm_dist.mas.generate import generate
+    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
 
     cfg = json.load(open(os.path.join(smollm2, "config.json")))
     assert cfg["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in cfg

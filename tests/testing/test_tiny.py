@@ -6,7 +6,9 @@ from transformers import AutoTokenizer
 
 from admm_dist.testing.tiny import DEFAULT_CHARS, char_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
+ROOT = str(REPO)
 
 
 @pytest.mark.parametrize("where", ["built", "assets/standin", "assets/tiny/backbone"])

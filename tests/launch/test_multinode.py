@@ -3,7 +3,7 @@ by a veth pair (tests/cluster.py). launch/slurm.sbatch runs 2 nodes x 2 ranks = 
 the veth (gloo), is preempted by USR2 (forwarded on both nodes), requeued, resumes, and ends
 bit-identical to a 4-rank run on one host.
 
-Slow (``python3 -m pytest -m slow tests/test_multinode.py``); needs root, slurm-wlm, iproute2
+Slow (``python3 -m pytest -m slow tests/launch/test_multinode.py``); needs root, slurm-wlm, iproute2
 and util-linux (ip, nsenter, unshare), and permission to create network namespaces.
 """
 import os
@@ -15,8 +15,23 @@ import time
 
 import pytest
 
-from cluster import (REPO, SCRIPT, Cluster, NetnsPair, Node, assert_same_outputs, has_checkpoint, log_of,
-                     missing, netns_missing, pids_of, submit_dir, tiny_assets, train_args, wait_for)
+from cluster import (
+    REPO,
+    SCRIPT,
+    Cluster,
+    NetnsPair,
+    Node,
+    assert_same_outputs,
+    has_checkpoint,
+    log_of,
+    missing,
+    netns_missing,
+    pids_of,
+    submit_dir,
+    tiny_assets,
+    train_args,
+    wait_for,
+)
 
 N = 4        # seats: 2 nodes x 2 ranks
 K = 20

@@ -10,7 +10,9 @@ from admm_dist.mas import ChainConfig, ChainRunner, row_seed
 from admm_dist.mas.generate import RowSeededSampler, generate
 from admm_dist.tasks.chain_arith import load_chain_arith
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
+ROOT = str(REPO)
 TINY = os.path.join(ROOT, "assets", "tiny", "backbone")
 
 
@@ -109,6 +111,7 @@ def test_sink_budget_zero_means_the_last_seat_is_silent(tiny):
 
 def test_adapter_state_is_switched_per_seat(tiny):
     from transformers import AutoModelForCausalLM
+
     from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
 
     model, tok = tiny

@@ -24,9 +24,11 @@ import pytest
 from admm_dist.core.errors import RunError
 from admm_dist.tasks import bubblewrap, sandbox, scoring
 from admm_dist.tasks.sandbox import SandboxUnavailable, run_python
+
+from conftest import REPO
 from procs import subreaper
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(REPO)
 AVAILABLE = sandbox.isolation_available()
 needs_bwrap = pytest.mark.skipif(not AVAILABLE, reason=f"no working bwrap here: {sandbox.describe()}")
 ROOT = os.geteuid() == 0

@@ -7,8 +7,8 @@ import types
 import pytest
 
 from admm_dist import tasks
-from admm_dist.tasks.scoring import score_item
 from admm_dist.tasks.common import anchor
+from admm_dist.tasks.scoring import score_item
 
 EXPECTED = {"gsm8k": "number", "aime2024": "number", "aime2025": "number", "gpqa": "choice",
             "arc_easy": "choice", "arc_challenge": "choice", "medqa": "choice", "winogrande": "choice",

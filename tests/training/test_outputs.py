@@ -9,8 +9,8 @@ import pytest
 from safetensors import safe_open
 
 from admm_dist.cli import train
-from admm_dist.training import checkpoint as ckpt
 from admm_dist.data.fitset import load_fitset, save_fitset
+from admm_dist.training import checkpoint as ckpt
 
 N = 3
 

@@ -3,7 +3,7 @@
 Needs vLLM (the main environment has none: the module is skipped there). On CPU, run in
 the separate vLLM environment (docs/vllm.md):
 
-    .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm.py
+    .venv-vllm/bin/python -m pytest -q -m vllm tests/mas/test_vllm_backend.py
 
 One engine serves the whole module (an engine takes 20-40 s to start on 2 cores).
 """
@@ -22,13 +22,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import REPO
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed in this environment (run in .venv-vllm: see docs/vllm.md)",
                 allow_module_level=True)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO
 STANDIN = str(REPO / "assets" / "standin")
 ADAPTER = dict(lora_rank=4, lora_alpha=8.0, lora_layers_last=2, lora_targets="attn_mlp", lora_basis_seed=0)
 SCALE = 0.05                # B = SCALE * N(0, 1): changes ~1 in 6 greedy seat-0 messages of the stand-in
@@ -58,9 +60,9 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
     from admm_dist.mas import ChainRunner
     from admm_dist.mas.vllm_backend import VLLMBackend
+    from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
     from admm_dist.testing.standin import chain_config, load
 
     model, tok = load(STANDIN)
