@@ -1,7 +1,7 @@
 """admm_dist: consensus-ADMM training of an LLM multi-agent system, one torchrun rank per seat.
 
 Entry points: ``python -m admm_dist.train`` (the trainer), ``python -m admm_dist.evaluate``
-(the chain on a task's evaluation rows), ``python -m admm_dist.engine.lsq`` (the engine on
+(the chain on a task's evaluation rows), ``python -m admm_dist.cli.lsq`` (the engine on
 distributed least squares) and ``python -m admm_dist.bench.<name>`` (benchmarks).
 
 The package is layered, bottom to top; a module imports only from its own layer and those

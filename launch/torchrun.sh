@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One host, one rank per agent seat (one GPU each when there are GPUs).
 #
-#   NPROC=4 bash launch/torchrun.sh admm_dist.engine.lsq --consensus ring
+#   NPROC=4 bash launch/torchrun.sh admm_dist.cli.lsq --consensus ring
 #
 # On CPU the ranks use gloo over loopback; on GPUs NCCL (chosen from the device).
 set -euo pipefail

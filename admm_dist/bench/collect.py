@@ -11,7 +11,7 @@ chain (:class:`admm_dist.mas.ChainRunner`, sampled at temperature 0.8, top-p 0.9
 running with its own LoRA state: a fixed random B vector per seat (seeded, rank 8 on the
 attention projections of the last 2 layers), so that the engine serves four adapters and the
 HF side switches four. Models: ``standin`` (assets/standin, ``chain_arith``, 16 new tokens per
-message) and ``smollm2`` (assets/smollm2 built by ``python -m admm_dist.model.pretrained smollm2``,
+message) and ``smollm2`` (assets/smollm2 built by ``python -m admm_dist.cli.pretrained smollm2``,
 ``word_arith``, 32 new tokens per message); ``qwen3_8b`` (a random-weight model of Qwen3-8B's
 shape, bf16) only on a GPU.
 
@@ -144,7 +144,7 @@ def run(models: Sequence[str], backends: Sequence[str], sz: Sizes, log=print) ->
     for name in models:
         model = MODELS[name]
         if not os.path.isfile(os.path.join(model.folder, "config.json")):
-            log(f"# skipping {name}: {model.folder} does not exist (python -m admm_dist.model.pretrained {name})")
+            log(f"# skipping {name}: {model.folder} does not exist (python -m admm_dist.cli.pretrained {name})")
             continue
         for backend in backends:
             rows.append(_one(model, backend, sz, device, log))

@@ -18,7 +18,7 @@ UTF-8 JSON Lines, written atomically (never pickled, so loading runs no code).
 
 Line 1 is the header object::
 
-    {"format": "admm_dist.data.fitset", "version": 1,
+    {"format": "admm_dist.fitset", "version": 1,
      "fit_mode": "dpo" | "sft",
      "settings": {...},        # the collection settings the set was built under
      "n_examples": N,          # number of example lines that follow
@@ -55,7 +55,7 @@ from admm_dist.core.io import atomic_write_bytes
 from admm_dist.core.text import is_int
 from admm_dist.model.objectives import FIT_MODES
 
-FORMAT = "admm_dist.data.fitset"
+FORMAT = "admm_dist.fitset"
 VERSION = 1
 FILE_MODES = ("dpo", "sft")
 DERIVED_MODES = FIT_MODES   # what a fit set can be derived into: the objectives' modes

@@ -161,8 +161,3 @@ def user_message(mode: str, *, seat: int, n_agents: int, question: str, history:
         parts += ([w.context_header] if w.context_header else []) + [context]
     parts.append(w.brief(seat, n_agents, answer_type, mode, m))
     return "\n".join(parts)
-
-
-def messages(mode: str, **kw) -> List[Dict[str, str]]:
-    """Chat messages for one seat (a single user turn), for ``apply_chat_template``."""
-    return [{"role": "user", "content": user_message(mode, **kw)}]

@@ -188,7 +188,6 @@ class BOnlyLoRA:
             raise AdapterError(f"no module of the model matches lora_targets={config.lora_targets!r} "
                                f"({', '.join(config.target_modules)}) in layers {self.layers}: "
                                f"choose targets this architecture has")
-        self._names: List[str] = [n for n, _ in lora_layers]
 
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -246,10 +245,6 @@ class BOnlyLoRA:
     def layout(self) -> List[Tuple[str, Tuple[int, int], int]]:
         """(module name, B shape (out, r), offset in the flat vector), in vector order."""
         return list(self._layout)
-
-    def module_names(self) -> List[str]:
-        """The LoRA-wrapped module names, in vector order."""
-        return list(self._names)
 
     def basis_hash(self, *, recompute: bool = False) -> str:
         """sha256 hex of every A (shapes and fp32 bytes) in module order.

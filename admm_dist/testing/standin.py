@@ -14,8 +14,8 @@ than recomputing the chain. Training stops at a fixed step, deliberately at part
 competence, so sampled chains are right on some tries and wrong on others. It is
 deterministic: the same seed and thread count give the same bytes.
 
-    python -m admm_dist.testing.standin train --out assets/standin          # about 3-4 min on 2 cores
-    python -m admm_dist.testing.standin check [--json PATH] [--model DIR]
+    python -m admm_dist.cli.standin train --out assets/standin          # about 3-4 min on 2 cores
+    python -m admm_dist.cli.standin check [--json PATH] [--model DIR]
 
 ``check`` reports, on held-out ``chain_arith`` questions through the full chain: sampled
 accuracy, the share of questions with mixed outcomes, greedy accuracy, and for each seat
@@ -23,13 +23,11 @@ how often replacing its message with a wrong one changes the final answer.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -51,7 +49,7 @@ MAX_NEW_TOKENS = 16
 def default_model_dir() -> str:
     if not (DEFAULT_DIR / "config.json").is_file():
         raise FileNotFoundError(f"the shipped stand-in backbone is not at {DEFAULT_DIR}: pass --model DIR, "
-                                f"or build it with `python -m admm_dist.testing.standin train --out DIR`")
+                                f"or build it with `python -m admm_dist.cli.standin train --out DIR`")
     return str(DEFAULT_DIR)
 
 
@@ -251,7 +249,7 @@ def load(folder: Optional[str] = None, device: str = "cpu"):
     folder = folder or default_model_dir()
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise FileNotFoundError(f"{folder} holds no model (config.json missing): pass the folder "
-                                f"`python -m admm_dist.testing.standin train` wrote")
+                                f"`python -m admm_dist.cli.standin train` wrote")
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
     return model.to(device).eval(), tok
@@ -311,49 +309,3 @@ def check(folder: Optional[str] = None, *, n: int = 400, samples: int = 8, tempe
         "seed": seed, "model": os.path.abspath(folder or default_model_dir()),
         "seconds": round(time.time() - t0, 1),
     }
-
-
-# --------------------------------------------------------------------------- CLI
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m admm_dist.testing.standin", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    tr = sub.add_parser("train", help="train the stand-in from scratch and write its folder")
-    tr.add_argument("--out", required=True)
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--threads", type=int, default=2, help="torch threads (the bytes depend on it)")
-    tr.add_argument("--steps", type=int, default=RECIPE["steps"])
-    tr.add_argument("--batch", type=int, default=RECIPE["batch"])
-    tr.add_argument("--snapshot_every", type=int, default=0,
-                    help="also write <out>-stepN every N steps (to choose where to stop)")
-    ck = sub.add_parser("check", help="measure the stand-in through the full chain")
-    ck.add_argument("--model", default=None, help="stand-in folder (default: the shipped assets/standin)")
-    ck.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    ck.add_argument("--n", type=int, default=400, help="held-out questions")
-    ck.add_argument("--samples", type=int, default=8)
-    ck.add_argument("--temperature", type=float, default=0.8)
-    ck.add_argument("--top_p", type=float, default=0.95)
-    ck.add_argument("--seed", type=int, default=0)
-    ck.add_argument("--threads", type=int, default=None)
-    a = ap.parse_args(argv)
-    try:
-        if a.cmd == "train":
-            info = train(a.out, seed=a.seed, threads=a.threads, steps=a.steps, batch=a.batch,
-                         snapshot_every=a.snapshot_every)
-            print(json.dumps({"out": os.path.abspath(a.out), "seconds": info["seconds"],
-                              "final_loss": info["final_loss"]}))
-            return 0
-        res = check(a.model, n=a.n, samples=a.samples, temperature=a.temperature, top_p=a.top_p,
-                    seed=a.seed, threads=a.threads)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"sampled_acc {res['sampled_acc']:.3f}  mixed_share {res['mixed_share']:.3f}  "
-          f"greedy_acc {res['greedy_acc']:.3f}  seat_influence "
-          f"{' '.join(f'{x:.3f}' for x in res['seat_influence'])}  ({res['seconds']}s)")
-    if a.json:
-        aio.atomic_write_json(a.json, res)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,19 +3,16 @@
 ``make_examples`` builds, for every seat of the chain, preference pairs (or SFT
 targets) on small arithmetic queries: the prompt is the seat's chat-formatted
 turn, the chosen message states the right sum and the rejected one a wrong
-sum in a hedged style. ``python -m admm_dist.testing.synthetic --out DIR`` writes a tiny random Qwen3
+sum in a hedged style. ``python -m admm_dist.cli.synthetic --out DIR`` writes a tiny random Qwen3
 backbone and such a fit set into DIR.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import random
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List
 
 from admm_dist.data.fitset import Example, save_fitset
 from admm_dist.mas.prompts import role_name
-from admm_dist.testing.tiny import save_tiny_backbone
 
 
 def _prompt(tokenizer, role: str, question: str) -> str:
@@ -60,30 +57,6 @@ def write_fitset(path: str, *, settings: Dict[str, object], fit_mode: str = "dpo
     ex = make_examples(n_agents=n_agents, per_seat=per_seat, fit_mode=fit_mode, seed=seed,
                        tokenizer=tokenizer)
     save_fitset(path, ex, fit_mode=fit_mode, settings=settings,
-                stats={"source": "admm_dist.testing.synthetic", "per_seat": per_seat},
+                stats={"source": "admm_dist.synthetic", "per_seat": per_seat},
                 anchor_keys=sorted({e.anchor for e in ex}))
     return path
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m admm_dist.testing.synthetic", description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="folder for backbone/ and fitset-*.jsonl")
-    p.add_argument("--n_agents", type=int, default=4)
-    p.add_argument("--per_seat", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--task", default="synthetic")
-    a = p.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    bb = save_tiny_backbone(os.path.join(a.out, "backbone"), seed=a.seed)
-    tok = AutoTokenizer.from_pretrained(bb)
-    for mode in ("dpo", "sft"):
-        write_fitset(os.path.join(a.out, f"fitset-{mode}.jsonl"), fit_mode=mode,
-                     per_seat=a.per_seat, seed=a.seed, tokenizer=tok,
-                     settings={"task": a.task, "n_agents": a.n_agents, "adapt_roles": "all"})
-    print(f"wrote {a.out}/backbone and {a.out}/fitset-{{dpo,sft}}.jsonl")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -44,7 +44,7 @@ def test_roundtrip(tmp_path):
     assert fs.anchor_keys == ["q0", "q1", "q2"]
     lines = path.read_text(encoding="utf-8").splitlines()
     header = json.loads(lines[0])
-    assert header["format"] == "admm_dist.data.fitset" and header["version"] == 1
+    assert header["format"] == "admm_dist.fitset" and header["version"] == 1
     assert header["n_examples"] == len(exs) == len(lines) - 1
     assert json.loads(lines[1])["target"] == exs[0].target
     assert not list(tmp_path.glob(".*.tmp"))          # atomic write left no temp file
@@ -93,9 +93,9 @@ def test_corrupt_line(tmp_path):
     with pytest.raises(FitSetError, match=r"line 5 is not valid JSON"):
         load_fitset(str(path))
     path.write_text('{"format": "something.else", "version": 1}\n', encoding="utf-8")
-    with pytest.raises(FitSetError, match="not an admm_dist.data.fitset file"):
+    with pytest.raises(FitSetError, match="not an admm_dist.fitset file"):
         load_fitset(str(path))
-    path.write_text('{"format": "admm_dist.data.fitset", "version": 2}\n', encoding="utf-8")
+    path.write_text('{"format": "admm_dist.fitset", "version": 2}\n', encoding="utf-8")
     with pytest.raises(FitSetError, match="version 2"):
         load_fitset(str(path))
 

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from admm_dist.engine import lsq
+from admm_dist.cli import lsq
 
 
 def test_single_process_job_writes_its_telemetry(tmp_path, capsys):
@@ -20,7 +20,7 @@ def test_torchrun_job_matches_the_single_process_job(tmp_path):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     out = tmp_path / "dist.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
-           "-m", "admm_dist.engine.lsq", "--consensus", "gossip", "--topology", "chain",
+           "-m", "admm_dist.cli.lsq", "--consensus", "gossip", "--topology", "chain",
            "--k_outer", "20", "--timeout_s", "30", "--json", str(out), "--quiet"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -35,7 +35,7 @@ def test_torchrun_job_matches_the_single_process_job(tmp_path):
 def test_nodes_must_match_the_world_size(tmp_path):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "admm_dist.engine.lsq", "--nodes", "3", "--timeout_s", "20"]
+           "-m", "admm_dist.cli.lsq", "--nodes", "3", "--timeout_s", "20"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "--nodes 3 != world size 2" in proc.stderr + proc.stdout

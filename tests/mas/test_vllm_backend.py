@@ -272,8 +272,8 @@ def test_exported_adapter_holds_the_frozen_basis_and_the_state_exactly(stack):
     assert cfg["r"] <= s.backend.max_lora_rank
     tensors = load_file(str(Path(req.lora_path, "adapter_model.safetensors")))
     a_keys = sorted(k for k in tensors if ".lora_A." in k)
-    assert len(a_keys) == len(s.adapter.module_names())
-    for name, a, (lname, shape, off) in zip(s.adapter.module_names(), s.adapter._a_weights, s.adapter.layout()):
+    assert len(a_keys) == len([name for name, _, _ in s.adapter.layout()])
+    for name, a, (lname, shape, off) in zip([name for name, _, _ in s.adapter.layout()], s.adapter._a_weights, s.adapter.layout()):
         key = f"base_model.model.{name}.lora_A.weight"
         assert key in tensors, (key, a_keys[:3])
         assert tensors[key].dtype == torch.float32 and torch.equal(tensors[key], a.detach().cpu())
@@ -387,3 +387,24 @@ def test_each_torchrun_rank_builds_its_own_engine(stack, tmp_path):
     assert want[0] != want[1]                               # rank 1's engine ran its seat state
     if "OpenMP thread binding info" in out:                 # vLLM's log: each rank's engine on its own core
         assert "core ids=[0]" in out and "core ids=[1]" in out, out[-4000:]
+
+
+def test_a_failed_start_removes_the_backends_own_folder_and_keeps_the_callers(stack, tmp_path, monkeypatch):
+    """workdir=None: the backend makes its own temporary folder and removes it when it cannot
+    start; a folder the caller passes stays the caller's. (After a run, close() removes the
+    folder: tests/mas/test_vllm_train.py.)"""
+    import tempfile
+
+    from admm_dist.mas.vllm_backend import VLLMBackend, VLLMBackendError
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(VLLMBackendError, match="config.json"):
+        VLLMBackend(str(tmp_path / "empty"), stack.tok)
+    assert os.listdir(tmp) == []
+    mine = tmp_path / "mine"
+    with pytest.raises(VLLMBackendError, match="config.json"):
+        VLLMBackend(str(tmp_path / "empty"), stack.tok, workdir=str(mine))
+    assert mine.is_dir() and os.listdir(tmp) == []

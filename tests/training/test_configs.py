@@ -25,10 +25,14 @@ def test_config_file_loads_and_validates(path):
     assert cfg.n_nodes() >= 1
     if "/cpu/" in path:  # the small CPU runs use files shipped in the repository or built offline
         from admm_dist.model.pretrained import MODELS
-        built = {p.folder for p in MODELS.values()}       # python -m admm_dist.model.pretrained NAME builds them
+        built = {p.folder for p in MODELS.values()}       # python -m admm_dist.cli.pretrained NAME builds them
         assert cfg.model_name in built or os.path.isdir(os.path.join(ROOT, cfg.model_name))
-        if cfg.fitset_cache:
-            assert os.path.isfile(os.path.join(ROOT, cfg.fitset_cache))
+        if cfg.fitset_cache:   # the shipped fit set reads under this code's format and fits the run
+            from admm_dist.data.fitset import load_fitset
+            from admm_dist.training.pipeline import collect_settings
+
+            shipped = load_fitset(os.path.join(ROOT, cfg.fitset_cache))
+            assert shipped.examples and shipped.settings == collect_settings(cfg)
         else:   # collects on-policy: the task must be registered and generated locally
             from admm_dist import tasks
             assert tasks.get(cfg.task).name == cfg.task and cfg.task_path is None

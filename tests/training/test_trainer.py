@@ -194,7 +194,7 @@ def test_bad_fitsets_and_checkpoints_are_one_clear_line(assets, tmp_path):
     assert rc == 2 and not os.path.exists(str(out / "run-last.safetensors"))
     # corrupt file
     bad = tmp_path / "corrupt.jsonl"
-    bad.write_text('{"format": "admm_dist.data.fitset", "version": 1\n{not json')
+    bad.write_text('{"format": "admm_dist.fitset", "version": 1\n{not json')
     assert run(fitset_cache=str(bad))[0] == 2
     # built under other settings
     other = write_fitset(str(tmp_path / "other.jsonl"), per_seat=16,

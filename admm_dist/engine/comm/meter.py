@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 CONSENSUS = "consensus"
 TELEMETRY = "telemetry"
@@ -111,12 +111,3 @@ def ring_bytes_per_rank(numel: int, n: int, rank: int, itemsize: int = 4) -> int
         return 0
     sizes = chunk_sizes(numel, n)
     return itemsize * (2 * numel - sizes[(rank + 1) % n] - sizes[(rank + 2) % n])
-
-
-def allgather_bytes_per_rank(row_bytes: Iterable[int], rank: int) -> Tuple[int, int]:
-    """(sent, received) by ``rank`` in a ring all-gather of per-rank rows."""
-    rows = list(row_bytes)
-    if len(rows) <= 1:
-        return 0, 0
-    own = rows[rank]
-    return own * (len(rows) - 1), sum(rows) - own
