@@ -68,7 +68,18 @@ def save_vector(path: str, vec: torch.Tensor, meta: Optional[Dict[str, Any]] = N
                            f"values") from exc
     header = {"format": VECTOR_FORMAT, "format_version": str(VECTOR_FORMAT_VERSION),
               "numel": str(flat.numel()), "meta": meta_json}
-    atomic_write_bytes(path, st_save({VECTOR_KEY: flat}, metadata=header))
+    atomic_write_bytes(path, canonical_header(st_save({VECTOR_KEY: flat}, metadata=header)))
+
+
+def canonical_header(blob: bytes) -> bytes:
+    """The same safetensors file with its JSON header written in one order (keys sorted), so
+    that the same vector and metadata always give the same bytes (safetensors writes the
+    metadata map in hash order, which differs from process to process). The tensor bytes and
+    their offsets, which are relative to the end of the header, are unchanged."""
+    n = int.from_bytes(blob[:8], "little")
+    text = json.dumps(json.loads(blob[8:8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)   # the data starts 8-byte aligned, as safetensors writes it
+    return len(text).to_bytes(8, "little") + text + blob[8 + n:]
 
 
 def load_vector(path: str, expect: Optional[BOnlyLoRA] = None) -> Tuple[torch.Tensor, Dict[str, Any]]:

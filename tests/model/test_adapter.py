@@ -295,6 +295,23 @@ def test_save_load_roundtrip(vocab, tmp_path):
     assert torch.equal(vec2, vec)
 
 
+def test_the_same_vector_and_metadata_give_the_same_bytes(vocab, tmp_path):
+    """safetensors writes its metadata map in hash order; save_vector writes one order, so a
+    result file's sha256 identifies its content (a rerun of the same seed gives the same file)."""
+    from safetensors import safe_open
+
+    a = make(vocab, lora_targets="attn_qv")
+    randomize(a)
+    blobs = set()
+    for i in range(6):
+        p = tmp_path / f"v{i}.safetensors"
+        save_vector(str(p), a.vector(), {"round": 3, "selection": "z", "anchor_keys": ["k2", "k1"]}, adapter=a)
+        blobs.add(p.read_bytes())
+    assert len(blobs) == 1
+    with safe_open(str(tmp_path / "v0.safetensors"), "pt") as f:   # still a plain safetensors file
+        assert f.metadata()["format"] == "admm_dist.b_vector" and torch.equal(f.get_tensor("b"), a.vector())
+
+
 def test_load_errors(vocab, tmp_path):
     a = make(vocab, lora_targets="attn_qv")
     p = str(tmp_path / "x.safetensors")
