@@ -34,7 +34,7 @@ from admm_dist.engine.preemption import Preempted, PreemptionFlag, agree
 from admm_dist.mas.collection import chain_runner, collect_fitset, gather_json, load_seat_models
 from admm_dist.model import batches as bt
 from admm_dist.model import objectives as obj
-from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
+from admm_dist.model.adapter import BOnlyLoRA
 from admm_dist.model.loading import load_model
 from admm_dist.model.objectives import ObjectiveConfig
 from admm_dist.model.vectors import check_same_basis, hash_to_int64_row, int64_row_to_hash, load_vector
@@ -124,10 +124,7 @@ class Trainer:
         if not collecting:  # a bad fit set fails before any weights load
             self.shards, self.dev_set = self.shard(self.read_fitset())
         model, self.tokenizer = self.load_backbone()
-        self.adapter = BOnlyLoRA(model, AdapterConfig(
-            lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-            lora_layers_last=cfg.lora_layers_last, lora_targets=cfg.lora_targets,
-            lora_basis_seed=cfg.basis_seed))
+        self.adapter = BOnlyLoRA(model, cfg.adapter_config())
         self.model = self.adapter.model
         # Checkpointing trades compute for activation memory: on by default on GPU; a CPU
         # run has the memory and would only pay the recomputation (about +50% per step).
