@@ -1,7 +1,8 @@
 """admm_dist: consensus-ADMM training of an LLM multi-agent system, one torchrun rank per seat.
 
 Entry points: ``python -m admm_dist.train`` (the trainer), ``python -m admm_dist.evaluate``
-(the chain on a task's evaluation rows), ``python -m admm_dist.cli.lsq`` (the engine on
+(the chain on a task's evaluation rows), ``python -m admm_dist.plot`` (PNGs of reports),
+``python -m admm_dist.cli.lsq`` (the engine on
 distributed least squares) and ``python -m admm_dist.bench.<name>`` (benchmarks).
 
 The package is layered, bottom to top; a module imports only from its own layer and those
@@ -13,8 +14,9 @@ below it (``tests/test_layers.py``):
     tasks     task registry, loaders, scoring, the code sandbox
     data      fit sets, the query pool
     mas       seats, prompts, generation, the chain, collection, evaluation, judge
-    training  the run's config, the trainer, checkpoints, outputs
+    training  the run's config, the trainer, checkpoints, outputs, experiment tracking
     testing   tiny and stand-in backbones, synthetic fit sets
+    plots     reading reports and drawing them (matplotlib)
     cli       argument parsing for every command
     bench     benchmarks
 

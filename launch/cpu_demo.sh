@@ -5,7 +5,8 @@
 #   3. accuracy of the chain with the trained consensus adapter on every seat,
 # then what the multi-seed learning benchmark (docs/benchmarks.md) measured for this default:
 # one run is one seed, and the benchmark's mean gain with its 95% interval is the claim.
-# About two minutes on 2 cores. NPROC and CONFIG may be overridden from the environment.
+# About two minutes on 2 cores. NPROC and CONFIG may be overridden from the environment, and
+# arguments go to the training command as overrides, e.g. report_to=tensorboard (docs/tracking.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/cpu/standin_onpolicy.yaml}
@@ -19,7 +20,7 @@ echo "== before training"
 "${EVAL[@]}" --model_name assets/standin --json "$RES/standin-before.json"
 echo "== on-policy collection and ADMM training ($NPROC ranks)"
 torchrun --standalone --nproc_per_node "$NPROC" -m admm_dist.train --config "$CONFIG" out="$OUT" report_dir="$RES" \
-    overwrite=true   # the demo replaces its previous run
+    overwrite=true "$@"   # the demo replaces its previous run
 echo "== after training"
 "${EVAL[@]}" --adapter "$OUT-last.safetensors" --train_report "$RES/standin_onpolicy-train.json" \
     --json "$RES/standin-after.json"

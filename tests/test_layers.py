@@ -13,8 +13,8 @@ import sys
 from typing import Dict, List, Set, Tuple
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "admm_dist")
-LAYERS = ("core", "engine", "model", "tasks", "data", "mas", "training", "testing", "cli", "bench")
-TOP_LEVEL = {"__init__", "train", "evaluate"}      # the face and the entry-point shims
+LAYERS = ("core", "engine", "model", "tasks", "data", "mas", "training", "testing", "plots", "cli", "bench")
+TOP_LEVEL = {"__init__", "train", "evaluate", "plot"}      # the face and the entry-point shims
 MAX_LINES = 450
 
 

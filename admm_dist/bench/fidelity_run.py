@@ -109,16 +109,17 @@ def score_rows(args, cfg, deploy_argv: List[str]) -> Dict[str, List[float]]:
 
 
 def train_arm(cfg) -> Dict[str, object]:
-    """One Trainer run in this process; a refusal is a result, not a crash of the benchmark."""
-    from admm_dist.core.errors import UserError
+    """One Trainer run in this process; a refused result is a result, not a crash of the
+    benchmark (any other bad setting stops the benchmark)."""
     from admm_dist.engine.dist import distributed
+    from admm_dist.training.outputs import RefusedError
     from admm_dist.training.trainer import Trainer
 
     t0 = time.time()
     try:
         with distributed(cfg.device, timeout_s=cfg.timeout_s) as ctx:
             report = Trainer(cfg, ctx, log=lambda m: None).train()
-    except UserError as e:
+    except RefusedError as e:
         return {"refused": str(e), "train_sec": round(time.time() - t0, 2)}
     rounds = report.get("rounds") or []
     return {"refused": None, "train_sec": round(time.time() - t0, 2),

@@ -8,9 +8,10 @@
 - :mod:`~admm_dist.core.text`: the words every layer shares (``</think>``, choice letters,
   the visible part of a message);
 - :mod:`~admm_dist.core.constants`: the named seed salts and the one default timeout;
-- :mod:`~admm_dist.core.libraries`: keeping third-party libraries quiet on stderr.
+- :mod:`~admm_dist.core.libraries`: keeping third-party libraries quiet on stderr;
+- :mod:`~admm_dist.core.progress`: progress bars, drawn only on a terminal.
 
 Layers, bottom to top (a module imports only from its own layer and the ones below; the test
 ``tests/test_layers.py`` checks it): core, engine, model, tasks, data, mas, training,
-testing, cli, bench.
+testing, plots, cli, bench.
 """

@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from admm_dist.core import progress
 from admm_dist.core.errors import UserError
 from admm_dist.mas import prompts as P
 from admm_dist.mas.generate import generate
@@ -105,12 +106,13 @@ def check_think(tokenizer, think: bool) -> None:
 class ChainRunner:
     """Roll out the chain. ``adapter`` is a BOnlyLoRA on ``model`` (or None); ``seat_states``
     maps a seat to the B vector it runs with; ``seat_models`` maps a seat to another
-    (model, tokenizer)."""
+    (model, tokenizer). ``progress``: a bar with this label over the messages generated
+    (:mod:`admm_dist.core.progress`: drawn only on a terminal)."""
 
     def __init__(self, model, tokenizer, config: ChainConfig, *, adapter=None,
                  seat_states: Optional[Dict[int, torch.Tensor]] = None,
                  seat_models: Optional[Dict[int, Tuple[object, object]]] = None,
-                 generator=None):
+                 generator=None, progress: Optional[str] = None):
         if adapter is not None and model is not adapter.model:
             raise ValueError("with an adapter, run the chain on adapter.model (the wrapped backbone)")
         self.model, self.tok, self.cfg = model, tokenizer, config
@@ -118,6 +120,7 @@ class ChainRunner:
         self.seat_states = dict(seat_states or {})
         self.seat_models = dict(seat_models or {})
         self.generator = generator
+        self.progress = progress
         check_think(tokenizer, config.think)
         for _, seat_tok in self.seat_models.values():
             check_think(seat_tok, config.think)
@@ -171,30 +174,38 @@ class ChainRunner:
         finished: List[List[bool]] = [[True] * len(t) for t in texts]
         n_tokens: List[List[int]] = [[0] * len(t) for t in texts]
         start = min((len(t) for t in texts), default=n)
-        for seat in range(start, n):
-            rows = [r for r, t in enumerate(texts) if len(t) == seat]
-            if not rows:
-                continue
-            model, tok = self.seat_models.get(seat, (self.model, self.tok))
-            ptexts = [self.prompt_text(seat, items[r], texts[r], tokenizer=tok) for r in rows]
-            seeds = [seed_of(r, seat) for r in rows]
-            if self.generator is not None and seat not in self.seat_models:
-                gens = self.generator.generate(ptexts, seeds=seeds, max_new_tokens=self.cfg.budget(seat),
-                                            temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                                            state=self.seat_states.get(seat))
-            else:
-                with self.seat_context(seat, model):
-                    gens = generate(model, tok, ptexts, seeds=seeds, max_new_tokens=self.cfg.budget(seat),
-                                    temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                                    batch_size=self.cfg.batch_size)
-            for r, p, g in zip(rows, ptexts, gens):
-                texts[r].append(g.text)
-                prompts[r].append(p)
-                finished[r].append(g.finished)
-                n_tokens[r].append(g.n_tokens)
+        todo = sum(n - len(t) for t in texts)
+        with progress.bar(total=todo, desc=self.progress or "", unit="msg", show=bool(self.progress)) as shown:
+            for seat in range(start, n):
+                self._seat(seat, items, texts, prompts, finished, n_tokens, seed_of, shown.update)
         samples = samples if samples is not None else [0] * len(items)
         return [Rollout(items[r], samples[r], prompts[r], texts[r], finished[r], n_tokens[r])
                 for r in range(len(items))]
+
+    def _seat(self, seat: int, items, texts, prompts, finished, n_tokens, seed_of: SeedFn,
+              on_batch: Callable[[int], None]) -> None:
+        """Generate seat ``seat``'s message for every row whose chain has reached it."""
+        rows = [r for r, t in enumerate(texts) if len(t) == seat]
+        if not rows:
+            return
+        model, tok = self.seat_models.get(seat, (self.model, self.tok))
+        ptexts = [self.prompt_text(seat, items[r], texts[r], tokenizer=tok) for r in rows]
+        seeds = [seed_of(r, seat) for r in rows]
+        if self.generator is not None and seat not in self.seat_models:
+            gens = self.generator.generate(ptexts, seeds=seeds, max_new_tokens=self.cfg.budget(seat),
+                                           temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                           state=self.seat_states.get(seat))
+            on_batch(len(rows))
+        else:
+            with self.seat_context(seat, model):
+                gens = generate(model, tok, ptexts, seeds=seeds, max_new_tokens=self.cfg.budget(seat),
+                                temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                                batch_size=self.cfg.batch_size, on_batch=on_batch)
+        for r, p, g in zip(rows, ptexts, gens):
+            texts[r].append(g.text)
+            prompts[r].append(p)
+            finished[r].append(g.finished)
+            n_tokens[r].append(g.n_tokens)
 
     # ------------------------------------------------------------------ adapters
     def seat_context(self, seat: int, model):

@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from admm_dist import tasks
+from admm_dist.core import progress
 from admm_dist.core.constants import PRESCREEN_SALT
 from admm_dist.core.errors import UserError
 from admm_dist.data import queries
@@ -98,6 +99,7 @@ class Collector:
     fit_prompt: Optional[str] = None
     rank: int = 0
     world: int = 1
+    progress: Optional[str] = None       # a bar with this label over this rank's chunks
     exchange: Optional[Exchange] = None
 
     def __post_init__(self) -> None:
@@ -119,7 +121,13 @@ class Collector:
     def _map(self, items: Sequence[dict], fn: Callable[[List[dict]], List[Any]]) -> List[Any]:
         """fn over chunks of items; chunk c on rank c % world; results in item order everywhere."""
         chunks = [list(items[i:i + self.chunk]) for i in range(0, len(items), self.chunk)]
-        mine = {c: fn(ch) for c, ch in enumerate(chunks) if c % self.world == self.rank}
+        own = [c for c in range(len(chunks)) if c % self.world == self.rank]
+        with progress.bar(total=len(own), desc=self.progress or "", unit="chunk",
+                          show=bool(self.progress)) as shown:
+            mine = {}
+            for c in own:
+                mine[c] = fn(chunks[c])
+                shown.update(1)
         if self.world > 1:
             merged: Dict[int, Any] = {}
             for part in self.exchange({str(c): v for c, v in mine.items()}):
@@ -291,7 +299,8 @@ def collect_fitset(cfg, runner: ChainRunner, *, collection: int = 0, init_sha: s
                           reward=cfg.reward, seed=cfg.seed, downstream_seed=cfg.downstream_seed,
                           chunk=cfg.gen_chunk, prefix_samples=cfg.prefix_samples,
                           fit_prompt=cfg.fit_prompt, rank=rank, world=world,
-                          exchange=exchange)
+                          exchange=exchange,
+                          progress=None if rank or cfg.quiet else f"collection {collection}")
     pool = queries.pool(cfg.task, seed=cfg.seed, split=cfg.anchor_split, path=cfg.task_path)
     want = max(cfg.anchor_pool or 0, cfg.anchors)
     cands = queries.training_slice(pool, want, offset=cfg.anchor_offset, collection=collection)

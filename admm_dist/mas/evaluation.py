@@ -47,6 +47,7 @@ from admm_dist.mas.seats import adapted_seats, parse_agent_models
 from admm_dist.mas.vllm_backend import VLLMBackend
 from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
 from admm_dist.model.loading import check_model_src, load_model
+from admm_dist.model.vectors import load_vector
 from admm_dist.tasks.sandbox import isolation
 from admm_dist.tasks.scoring import visible
 
@@ -87,8 +88,6 @@ def run_reports(run_cfg: dict, run_dir: str) -> List[str]:
 
 
 def from_adapter(path: str, deploy: str, seats: Callable[[dict], List[int]]) -> Deploy:
-    from admm_dist.model.vectors import load_vector
-
     if deploy == "local":
         raise UserError("--deploy local gives each seat its own node's state: pass --state DIR (the run's "
                         "<out> folder) instead of --adapter")
@@ -255,7 +254,8 @@ def roll_out(args, dep, agent_models, chain, rows, settings, device):
         generator = VLLMBackend(settings["model_name"], tok, adapter, seed=args.seed)   # its own work folder
     try:
         runner = ChainRunner(model, tok, chain, adapter=adapter, seat_states=states,
-                             seat_models={s: others[p] for s, p in agent_models.items()}, generator=generator)
+                             seat_models={s: others[p] for s, p in agent_models.items()}, generator=generator,
+                             progress="evaluate")
         results = runner.run(rows, samples=args.samples, seed=args.seed, greedy=args.temperature == 0)
     finally:
         if generator is not None:

@@ -12,7 +12,7 @@ list of prompts always meets the same batch shapes and gives the same bytes.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -72,8 +72,9 @@ def stop_ids(tokenizer, model) -> List[int]:
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[str], *, seeds: Sequence[Optional[int]],
              max_new_tokens: int, temperature: float = 0.8, top_p: float = 0.95,
-             batch_size: int = 64) -> List[Generation]:
-    """One completion per prompt (prompts are already chat-formatted text)."""
+             batch_size: int = 64, on_batch: Optional[Callable[[int], None]] = None) -> List[Generation]:
+    """One completion per prompt (prompts are already chat-formatted text); ``on_batch(n)``
+    after each batch of n prompts (a progress bar's update)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     if len(seeds) != len(prompts):
@@ -104,6 +105,8 @@ def generate(model, tokenizer, prompts: Sequence[str], *, seeds: Sequence[Option
                 toks = row if cut is None else row[:cut]
                 out.append(Generation(tokenizer.decode(toks, skip_special_tokens=False),
                                       cut is not None, len(toks) + (cut is not None)))
+            if on_batch is not None:
+                on_batch(len(batch))
     finally:
         tokenizer.padding_side = old_side
     return out

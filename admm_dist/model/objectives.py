@@ -57,6 +57,7 @@ from typing import Callable, ContextManager, Dict, Iterable, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from admm_dist.core import progress
 from admm_dist.core.errors import UserError
 from admm_dist.model.batches import Batch, Encoded, collate
 from admm_dist.model.batches import batches as batch_iter
@@ -143,13 +144,14 @@ def token_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 def precompute_reference(model: torch.nn.Module, encoded: Sequence[Encoded], *,
                          batch_size: int, ref_context: Callable[[], ContextManager],
-                         pad_id: int = 0, force: bool = False) -> int:
+                         pad_id: int = 0, force: bool = False, show: bool = False,
+                         desc: str = "reference log-probs") -> int:
     """Store the reference per-token log-probs on every record of ``encoded`` that has none
     (all of them with ``force``): under ``ref_context()``, ``torch.no_grad()`` and eval mode,
     in batches of ``batch_size`` records sorted by length (less padding; with right
     padding a row's values do not depend on its batch mates, up to float rounding).
     Returns the number of records computed; 0 forwards when every record already has its
-    reference."""
+    reference. ``show``: a progress bar (:mod:`admm_dist.core.progress`) over the records."""
     if batch_size < 1:
         raise UserError(f"batch_size={batch_size} must be >= 1")
     todo = [e for e in encoded if force or not e.has_reference]
@@ -159,7 +161,8 @@ def precompute_reference(model: torch.nn.Module, encoded: Sequence[Encoded], *,
     was_training = model.training
     model.eval()
     try:
-        with ref_context(), torch.no_grad():
+        with ref_context(), torch.no_grad(), progress.bar(total=len(todo), desc=desc, unit="ex",
+                                                          show=show, leave=False) as shown:
             for s in range(0, len(todo), batch_size):
                 chunk = todo[s:s + batch_size]
                 for e in chunk:          # collate ignores partial references anyway
@@ -170,6 +173,7 @@ def precompute_reference(model: torch.nn.Module, encoded: Sequence[Encoded], *,
                     e.ref_logps = lp[k, :len(e.target_ids)].clone()
                     if e.paired:
                         e.rejected_ref_logps = lp[len(chunk) + k, :len(e.rejected_ids)].clone()
+                shown.update(len(chunk))
     finally:
         model.train(was_training)
     return len(todo)

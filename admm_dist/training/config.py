@@ -37,6 +37,7 @@ from admm_dist.mas.prompts import prompt_modes, role_name
 from admm_dist.mas.seats import GENERATION_BACKENDS, ROLE_SETS, adapted_seats, parse_agent_models
 from admm_dist.model.adapter import AdapterConfig
 from admm_dist.model.objectives import KL_REFS, ObjectiveConfig
+from admm_dist.training.tracking import TrackingConfig
 
 # Keys that do not change what is computed: a checkpoint or a fit set made under
 # other values of these is still valid.
@@ -45,6 +46,7 @@ NON_SEMANTIC = frozenset({
     "k_outer", "timeout_s", "export_peft", "dry_run", "backend", "device", "dev_every",
     "gen_batch_size", "overwrite", "max_delta_w_rel",
     "vllm_max_model_len", "vllm_kv_cache_gib", "vllm_gpu_memory_utilization",
+    "report_to", "tracking_dir", "wandb_project", "wandb_mode",
 })
 # Keys added after checkpoints were first written, with the value that reproduces them: they
 # enter the fingerprint only when set otherwise, so an older run still resumes.
@@ -156,6 +158,11 @@ class TrainConfig:
     overwrite: bool = False         # a fresh run may replace the run already in `out`
     max_delta_w_rel: float = 10.0   # a result with ||dW||/||W|| above this diverged: refused
     export_peft: bool = False
+    # experiment tracking (training/tracking.py): rank 0 logs every round's figures
+    report_to: str = default_of(TrackingConfig, "report_to")         # none | tensorboard | wandb | a,b
+    tracking_dir: Optional[str] = default_of(TrackingConfig, "tracking_dir")   # <report_dir>/tracking/<name>
+    wandb_project: str = default_of(TrackingConfig, "wandb_project")
+    wandb_mode: str = default_of(TrackingConfig, "wandb_mode")         # offline | online
 
     def __post_init__(self) -> None:
         # the components check their own fields (and say how to fix them)
@@ -163,6 +170,7 @@ class TrainConfig:
         self.adapter_config()
         self.objective_config()
         self.chain_config()
+        self.tracking_config()
         # the run's own choices
         _choice("adapt_roles", self.adapt_roles, ROLE_SETS)
         _choice("backend", self.backend, COMM_BACKENDS)
@@ -256,6 +264,10 @@ class TrainConfig:
         return ObjectiveConfig(fit_mode=self.fit_mode, dpo_beta=self.dpo_beta, kl_beta=self.kl_beta,
                                target_span=self.target_span, max_prompt_tokens=self.max_prompt_tokens,
                                max_target_tokens=self.max_target_tokens)
+
+    def tracking_config(self) -> TrackingConfig:
+        return TrackingConfig(report_to=self.report_to, tracking_dir=self.tracking_dir,
+                              wandb_project=self.wandb_project, wandb_mode=self.wandb_mode)
 
     @property
     def basis_seed(self) -> int:

@@ -8,6 +8,9 @@ written at the end, and the training report.
   consensus z), ``<out>-best.safetensors`` (the lowest held-out NLL) and ``<out>-last-peft/``.
 - :meth:`RunOutputs.write_report` writes ``<report_dir>/<name>-train.json``; a refused,
   preempted or dry run writes ``<name>-train-<kind>.json`` beside it, never over it.
+- :meth:`RunOutputs.open_tracker` opens ``report_to``'s trackers in ``tracking_dir``
+  (:mod:`~admm_dist.training.tracking`); a fresh run refuses a folder holding another run's
+  TensorBoard events unless ``overwrite=true``, which removes them.
 """
 from __future__ import annotations
 
@@ -25,12 +28,18 @@ from admm_dist.model.vectors import save_vector
 from admm_dist.training import checkpoint as ckpt
 from admm_dist.training.config import TrainConfig
 from admm_dist.training.report import TrainReport
+from admm_dist.training.tracking import Tracker, collection_scalars, event_files, open_tracker
 
 if TYPE_CHECKING:
     from admm_dist.engine.admm import ADMMEngine
     from admm_dist.engine.comm import Communicator
     from admm_dist.model.adapter import BOnlyLoRA
     from admm_dist.training.state import BestRound
+
+
+class RefusedError(UserError):
+    """The run finished but its result is refused (the adapter did not move, or diverged):
+    no result file is written, the report goes to ``<name>-train-refused.json``."""
 
 
 class RunOutputs:
@@ -60,6 +69,11 @@ class RunOutputs:
         if cfg.overwrite and self.rank == 0 and os.path.isdir(ckpt.ckpt_root(cfg.out)):
             ckpt.remove_all(ckpt.ckpt_root(cfg.out))
             self.talk(f"overwrite: removed the checkpoints in {ckpt.ckpt_root(cfg.out)}")
+        stale = event_files(self.tracking_folder()) if "tensorboard" in self.tracking.active else []
+        if cfg.overwrite and self.rank == 0 and stale:
+            for path in stale:
+                os.unlink(path)
+            self.talk(f"overwrite: removed {len(stale)} TensorBoard event file(s) in {self.tracking_folder()}")
         if cfg.overwrite:
             comm.gather_rows(torch.zeros(n_local, 1, dtype=torch.float64))  # removal seen by all
 
@@ -69,8 +83,12 @@ class RunOutputs:
         out, root = cfg.out, ckpt.ckpt_root(cfg.out)
         folders = {"out": out, "the checkpoint folder": root, "report_dir": cfg.report_dir,
                    "the folder of out": os.path.dirname(os.path.abspath(out))}
+        if self.tracking.active:
+            if self.rank == 0 and self.tracking.missing():
+                return self.tracking.missing()
+            folders["tracking_dir"] = self.tracking_folder()
         for what, folder in folders.items():
-            fix = "report_dir=" if what == "report_dir" else "out="
+            fix = f"{what}=" if what in ("report_dir", "tracking_dir") else "out="
             if os.path.exists(folder) and not os.path.isdir(folder):
                 return f"{what} {folder} exists and is not a folder: choose another {fix}"
             here = os.path.abspath(folder)   # nothing is created yet: the nearest existing folder decides
@@ -96,7 +114,43 @@ class RunOutputs:
         if cfg.resume == "auto" and results and not rounds:
             return (f"out={out} holds the results of a finished run ({results[0]}) and no checkpoints to "
                     "resume: replace it with overwrite=true, or choose a new out=")
+        if cfg.resume == "never" and "tensorboard" in self.tracking.active and event_files(self.tracking_folder()):
+            return (f"tracking_dir {self.tracking_folder()} holds another run's TensorBoard events: replace "
+                    "them with overwrite=true, or choose a new out= or tracking_dir=")
         return None
+
+    # ------------------------------------------------------------------ tracking
+    @property
+    def tracking(self):
+        return self.cfg.tracking_config()
+
+    def tracking_folder(self) -> str:
+        return self.tracking.folder(self.cfg.report_dir, os.path.basename(self.cfg.out))
+
+    def open_tracker(self, comm: "Communicator", n_local: int, fingerprint: str, resumed_after: int,
+                     report: TrainReport) -> Tracker:
+        """This rank's trackers (rank 0 writes); a fresh run logs the collections made so far.
+        Every rank stops if rank 0 could not open them (no rank is left waiting in a round)."""
+        cfg = self.cfg
+        name = os.path.basename(cfg.out)
+        run_id = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:40] + "-" + fingerprint
+        failed: Optional[BaseException] = None
+        try:
+            tracker = open_tracker(cfg.tracking_config(), rank=self.rank, folder=self.tracking_folder(),
+                                   name=name, config=cfg.as_dict(), config_yaml=dump_yaml(cfg), run_id=run_id,
+                                   resumed_after=resumed_after)
+        except Exception as exc:    # a library's own error included: the other ranks must hear of it
+            failed, tracker = exc, Tracker()
+        table = comm.gather_rows(torch.tensor([[float(failed is not None)]] * n_local, dtype=torch.float64))
+        if failed is not None:
+            raise failed
+        if table.max().item() > 0:
+            raise UserError("rank 0 could not open the trackers of report_to (see its message)")
+        if tracker.active:
+            self.talk(f"tracking ({', '.join(self.tracking.active)}) in {self.tracking_folder()}")
+            for stats in (report.get("collections") or [] if not resumed_after else []):
+                tracker.log(stats["collection"] * cfg.recollect_every, collection_scalars(stats))
+        return tracker
 
     # ------------------------------------------------------------------ at the end
     def write_results(self, *, engine: "ADMMEngine", comm: "Communicator", nodes: Sequence[int],

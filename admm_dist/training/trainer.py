@@ -10,25 +10,26 @@ u-steps through the communicator.
 
 Wiring only: the data pipeline is :mod:`~admm_dist.training.pipeline`, the outputs
 :mod:`~admm_dist.training.outputs`, checkpoints :mod:`~admm_dist.training.resume`, the
-report :mod:`~admm_dist.training.report`.
+report :mod:`~admm_dist.training.report`, the trackers :mod:`~admm_dist.training.tracking`,
+the progress bars :mod:`admm_dist.core.progress` (rank 0, not ``quiet``, on a terminal).
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import random
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 
+from admm_dist.core import progress
 from admm_dist.core.constants import SAMPLER_SALT
 from admm_dist.core.errors import UserError
 from admm_dist.data import fitset as fs
 from admm_dist.data.sampler import RoleBalancedSampler
 from admm_dist.engine.admm import ADMMEngine, RoundRecord
-from admm_dist.engine.comm import Communicator, make_communicator
+from admm_dist.engine.comm import TELEMETRY, Communicator
 from admm_dist.engine.dist import DistContext
 from admm_dist.engine.preemption import Preempted, PreemptionFlag, agree
 from admm_dist.mas.collection import chain_runner, collect_fitset, gather_json, load_seat_models
@@ -40,10 +41,12 @@ from admm_dist.model.objectives import ObjectiveConfig
 from admm_dist.model.vectors import check_same_basis, hash_to_int64_row, int64_row_to_hash, load_vector
 from admm_dist.training import checkpoint as ckpt
 from admm_dist.training import pipeline, resume
+from admm_dist.training.communicator import build_communicator
 from admm_dist.training.config import TrainConfig
-from admm_dist.training.outputs import RunOutputs, delta_w_rel
+from admm_dist.training.outputs import RefusedError, RunOutputs, delta_w_rel
 from admm_dist.training.report import TrainReport
 from admm_dist.training.state import BestRound, NodeState
+from admm_dist.training.tracking import Tracker, collection_scalars, final_scalars, round_scalars
 
 if TYPE_CHECKING:
     from admm_dist.testing.faults import FaultPlan
@@ -67,14 +70,16 @@ class Trainer:
     state: Dict[int, NodeState]
     engine: ADMMEngine
 
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] = print,
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] = progress.say,
                  preempt: Optional[PreemptionFlag] = None, faults: Optional["FaultPlan"] = None):
         self.cfg = cfg
         self.preempt = preempt   # None: train() notes SIGUSR2 itself while it runs
         self.faults = faults     # test-only fault injection (admm_dist.testing.faults)
         self.ctx = ctx
         self.rank = ctx.rank
-        self.talk = (lambda m: None) if (cfg.quiet or ctx.rank != 0) else log
+        self.show = not cfg.quiet and ctx.rank == 0    # progress bars and log lines
+        self.talk = log if self.show else (lambda m: None)
+        self.tracker = Tracker()   # report_to's writers, opened once the rounds are about to start
         self.report = TrainReport(config=cfg.as_dict())
         self.outputs = RunOutputs(cfg, ctx.rank, self.talk)
         self.agent_models = None   # agent_models backbones, loaded at the first collection
@@ -85,39 +90,11 @@ class Trainer:
         self.t_start = time.time()
 
     # ------------------------------------------------------------------ set-up
-    def build_comm(self) -> Communicator:
-        cfg, ctx = self.cfg, self.ctx
-        n = cfg.n_nodes()
-        if ctx.env.is_distributed:
-            if cfg.backend == "local":
-                raise UserError("--backend local runs every node in one process: launch it "
-                                "without torchrun (python -m admm_dist.train ...)")
-            if ctx.world_size != n:
-                hosts = int(os.environ.get("GROUP_WORLD_SIZE") or os.environ.get("SLURM_JOB_NUM_NODES") or 1)
-                if hosts > 1:
-                    fix = (f"nodes x ranks per node must equal {n}: e.g. --nnodes {hosts} --nproc_per_node "
-                           f"{n // hosts}" if n % hosts == 0 else
-                           f"{n} nodes do not split over {hosts} hosts: use a host count that divides {n}")
-                else:
-                    fix = f"launch with torchrun --nproc_per_node {n}"
-                raise UserError(f"world size {ctx.world_size} != number of nodes {n} (one rank per node, "
-                                f"{hosts} host(s)): {fix} (on SLURM: sbatch --nodes A with NPROC_PER_NODE=B, "
-                                f"A x B = {n})")
-            backend = "process_group"
-        else:
-            if cfg.backend == "process_group":
-                raise UserError("--backend process_group needs torchrun: torchrun "
-                                f"--nproc_per_node {n} -m admm_dist.train ...")
-            backend = "local"
-        return make_communicator(cfg.consensus, n_nodes=n, topology=cfg.topology,
-                                 gossip_steps=cfg.gossip_steps, timeout=ctx.timeout,
-                                 backend=backend)
-
     def setup(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.comm = self.build_comm()
+        self.comm = build_communicator(self.cfg, self.ctx)
         self.nodes = list(self.comm.nodes)
         self.check_outputs()
         collecting = self.needs_collection()
@@ -192,6 +169,7 @@ class Trainer:
             self.model.train(was_training)
         stats = f.stats
         self.report.add_collection(stats, f.anchor_keys)
+        self.tracker.log(collection * cfg.recollect_every, collection_scalars(stats))
         self.talk(f"collection {collection}: {stats['kept_queries']}/{stats['queries']} queries x {cfg.group} "
                   f"({cfg.credit}), {len(f.examples)} examples, pass rate {stats['mean_pass_rate']:.3f}, "
                   f"mixed groups {stats['mixed_group_rate']:.3f} ({stats['seconds']}s)")
@@ -271,7 +249,7 @@ class Trainer:
         else:
             ctx = lambda: self.adapter.disabled()  # noqa: E731
         obj.precompute_reference(self.model, enc, batch_size=bs, ref_context=ctx,
-                                 pad_id=self.tokenizer.pad_token_id)
+                                 pad_id=self.tokenizer.pad_token_id, show=self.show)
 
     # ------------------------------------------------------------------ x-step
     def xstep(self, node: int, x: torch.Tensor, centre: Optional[torch.Tensor], rho: float) -> float:
@@ -315,6 +293,7 @@ class Trainer:
             return self._train()
         finally:
             restore()
+            self.tracker.close()
             self.close_generator()
 
     def _train(self) -> Dict[str, object]:
@@ -333,21 +312,28 @@ class Trainer:
         root = ckpt.ckpt_root(cfg.out)
         if self.agree_preempt():   # the warning came while loading, collecting or resuming
             raise Preempted(self.engine.round, in_setup=True)
-        while self.engine.round < cfg.k_outer:
-            rec = self.engine.step(self.xstep)
-            self.on_round(rec)
-            if cfg.recollect_every and self.engine.round % cfg.recollect_every == 0 \
-                    and self.engine.round < cfg.k_outer:
-                self.recollect(self.engine.round // cfg.recollect_every)
-            stop = self.engine.round < cfg.k_outer and self.agree_preempt()
-            if stop or self.engine.round % cfg.checkpoint_every == 0 or self.engine.round == cfg.k_outer:
-                self.checkpoint(root)
-            if stop:
-                self.report.preempted_after_round = self.engine.round
-                self.outputs.write_report(self.report, "preempted")
-                raise Preempted(self.engine.round)
-            if self.faults is not None:
-                self.faults.after_round(self.engine.round, self.nodes)
+        self.tracker = self.outputs.open_tracker(self.comm, len(self.nodes), self.fingerprint, self.engine.round,
+                                                 self.report)
+        with progress.bar(total=cfg.k_outer, initial=self.engine.round, desc="rounds", unit="round",
+                          show=self.show) as bar:
+            while self.engine.round < cfg.k_outer:
+                rec = self.engine.step(self.xstep)
+                self.on_round(rec)
+                if cfg.recollect_every and self.engine.round % cfg.recollect_every == 0 \
+                        and self.engine.round < cfg.k_outer:
+                    self.recollect(self.engine.round // cfg.recollect_every)
+                stop = self.engine.round < cfg.k_outer and self.agree_preempt()
+                if stop or self.engine.round % cfg.checkpoint_every == 0 or self.engine.round == cfg.k_outer:
+                    self.checkpoint(root)
+                self.track(rec)     # every byte of the round has crossed the wire
+                bar.set_postfix_str(f"primal {max(rec.primal_normalized):.2e}", refresh=False)
+                bar.update(1)
+                if stop:
+                    self.report.preempted_after_round = self.engine.round
+                    self.outputs.write_report(self.report, "preempted")
+                    raise Preempted(self.engine.round)
+                if self.faults is not None:
+                    self.faults.after_round(self.engine.round, self.nodes)
         return self.finish()   # a warning from here on is ignored: the run is finishing
 
     def agree_preempt(self) -> bool:
@@ -366,6 +352,16 @@ class Trainer:
                   + (f"rho={rec.rho:.3g}->{self.engine.rho:.3g}  " if cfg.rho_adapt else "") +
                   f"sent={max(rec.bytes_sent)} B  x-step {max(rec.sec_x):.2f}s "
                   f"z-step {max(rec.sec_z):.3f}s")
+
+    def track(self, rec: RoundRecord) -> None:
+        """The round's figures to the trackers (rank 0; every node's are in ``rec``)."""
+        if not self.tracker.active:
+            return
+        tele = self.comm.meter.total(node=self.nodes[0], round=rec.round, phase=TELEMETRY)
+        dev = [p["dev_nll"] for p in self.report.get("dev_curve") or [] if p["round"] == rec.round]
+        dw = delta_w_rel(self.adapter, self.engine.z[0], self.cfg.lora_alpha, self.cfg.lora_rank)
+        self.tracker.log(rec.round, round_scalars(rec, telemetry_sent=tele.sent, telemetry_recv=tele.recv,
+                                                  dev_nll=dev[-1] if dev else None, delta_w_rel=dw))
 
     def dev_nll(self) -> float:
         """Mean target-token NLL of each node's z_i on its share of the held-out set."""
@@ -415,6 +411,7 @@ class Trainer:
         dws = self.comm.gather_rows(torch.tensor([[d] for d in dw], dtype=torch.float64))
         dw_all = [float(v) for v in dws[:, 0]]
         report.delta_w_rel = dw_all if deploy_local else dw_all[0]
+        self.tracker.log(self.engine.round, final_scalars(dw_all, deploy_local))
         report.deploy_required = "local" if deploy_local else None
         # Every node should move, except under local_only a node with no examples (f_i = 0,
         # nothing couples it to the others): its x_i staying at x^0 is the right answer.
@@ -424,12 +421,12 @@ class Trainer:
         kept = "; any earlier result in out= is kept"
         if still or not should:
             self.outputs.write_report(report, "refused")
-            raise UserError(f"refusing to write {cfg.out}: the adapter of node(s) {still or should} did not "
+            raise RefusedError(f"refusing to write {cfg.out}: the adapter of node(s) {still or should} did not "
                             f"move (delta_w_rel={dw_all}); raise --eta or --k_outer{kept}")
         wild = [i for i, d in enumerate(dw_all) if d > cfg.max_delta_w_rel]
         if wild:
             self.outputs.write_report(report, "refused")
-            raise UserError(f"refusing to write {cfg.out}: the run diverged (delta_w_rel of node(s) {wild} = "
+            raise RefusedError(f"refusing to write {cfg.out}: the run diverged (delta_w_rel of node(s) {wild} = "
                             f"{max(dw_all[i] for i in wild):.3g} > max_delta_w_rel={cfg.max_delta_w_rel:g}): "
                             f"lower --eta or --grad_clip{kept}")
         self.outputs.write_results(engine=self.engine, comm=self.comm, nodes=self.nodes, adapter=self.adapter,

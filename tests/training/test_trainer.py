@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from admm_dist.core.errors import UserError
 from admm_dist.engine.launcher import launch_cpu
 from admm_dist.testing import faults
 from admm_dist.testing.synthetic import write_fitset
@@ -234,6 +235,18 @@ def test_an_adapter_that_did_not_move_is_not_written(assets, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "run-last.safetensors")
     rep = json.loads((tmp_path / "reports" / "run-train-refused.json").read_text())   # beside, not over
     assert rep["delta_w_rel"] < 1e-6 and not os.path.exists(tmp_path / "reports" / "run-train.json")
+
+
+def test_a_refused_result_is_its_own_error_the_benchmark_can_tell_apart(assets, tmp_path):
+    """The learning benchmark counts a refused arm as a result; any other bad setting stops it."""
+    from admm_dist.bench.fidelity_run import train_arm
+    from admm_dist.training.outputs import RefusedError
+
+    with pytest.raises(RefusedError, match="did not move"):
+        train_local(_cfg(assets, tmp_path / "a", eta=1e-13, k_outer=1, local_steps=1))
+    assert "did not move" in train_arm(_cfg(assets, tmp_path / "b", eta=1e-13, k_outer=1, local_steps=1))["refused"]
+    with pytest.raises(UserError, match="does not exist"):   # not a refusal: it stops the benchmark
+        train_arm(_cfg(assets, tmp_path / "c", fitset_cache=str(tmp_path / "missing.jsonl")))
 
 
 def test_dry_run_and_anchor_partition(assets, tmp_path):

@@ -1,0 +1,223 @@
+"""Experiment tracking: every round's figures into TensorBoard and/or Weights & Biases.
+
+``report_to`` names the trackers (``none``, ``tensorboard``, ``wandb``, or several joined by
+commas). Only rank 0 writes: every node's figures already reach it in the round's
+:class:`~admm_dist.engine.admm.RoundRecord` (the engine's telemetry gather), so tracking adds
+no communication. W&B runs offline unless ``wandb_mode=online``; ``wandb sync`` uploads an
+offline run later. Files go to ``tracking_dir`` (default ``<report_dir>/tracking/<name>``,
+``name`` the last part of ``out``), so ``tensorboard --logdir <report_dir>/tracking`` shows
+every run of a report folder side by side.
+
+What is logged, at step = round (docs/outputs.md has the table):
+
+- per node i: ``loss/node_i`` (f_i), ``primal_residual/node_i`` (||x_i - z_i||),
+  ``primal_residual_normalized/node_i`` (/ ||z_i||), ``dual_residual/node_i``
+  (rho ||z_i^k - z_i^{k-1}||), ``bytes_sent/consensus/node_i``, ``bytes_recv/consensus/node_i``,
+  ``seconds/x_step/node_i``, ``seconds/z_step/node_i``, ``seconds/other/node_i``;
+- ``bytes_sent/telemetry``, ``bytes_recv/telemetry``: the round's telemetry gathers (the same
+  on every node: they are all_gathers of equal rows);
+- ``admm/rho``, ``admm/x1_norm``, ``admm/delta_w_rel`` (||dW|| / ||W|| of node 0's z),
+  ``dev/nll`` on the rounds that measure it;
+- ``collection/<stat>`` (queries, kept queries, examples, pass rate, mixed-group rate,
+  seconds) at the round after which the collection ran (0 for the first);
+- ``final/delta_w_rel`` (``final/delta_w_rel/node_i`` for a locally deployed run) at the last round.
+
+The resolved configuration goes with the run: as W&B's run config, and as a YAML text
+summary (``config``) in TensorBoard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import math
+import os
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
+
+from admm_dist.core.errors import UserError
+
+if TYPE_CHECKING:
+    from admm_dist.engine.admm import RoundRecord
+
+TRACKERS = ("none", "tensorboard", "wandb")
+EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb"}   # tracker -> its package (and our extra)
+WANDB_MODES = ("offline", "online")
+EVENTS_GLOB = "events.out.tfevents.*"      # TensorBoard's event files
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    report_to: str = "none"             # none | tensorboard | wandb, or several: tensorboard,wandb
+    tracking_dir: Optional[str] = None  # default <report_dir>/tracking/<name>
+    wandb_project: str = "admm_dist"
+    wandb_mode: str = "offline"         # offline (sync later with `wandb sync`) | online
+
+    def __post_init__(self) -> None:
+        names = self.trackers
+        bad = [n for n in names if n not in TRACKERS]
+        if bad or not names:
+            raise UserError(f"report_to={self.report_to!r}: choose from {', '.join(TRACKERS)}, or join "
+                            "several with commas (report_to=tensorboard,wandb)")
+        if "none" in names and len(names) > 1:
+            raise UserError(f"report_to={self.report_to!r}: 'none' cannot be combined with a tracker")
+        if self.wandb_mode not in WANDB_MODES:
+            raise UserError(f"wandb_mode={self.wandb_mode!r}: choose one of {', '.join(WANDB_MODES)}")
+        if not str(self.wandb_project).strip():
+            raise UserError("wandb_project='': name the W&B project, e.g. wandb_project=admm_dist")
+
+    @property
+    def trackers(self) -> List[str]:
+        return [n.strip() for n in str(self.report_to).split(",") if n.strip()]
+
+    @property
+    def active(self) -> List[str]:
+        """The trackers that write (none for ``report_to=none``)."""
+        return [n for n in self.trackers if n != "none"]
+
+    def folder(self, report_dir: str, name: str) -> str:
+        return self.tracking_dir or os.path.join(report_dir, "tracking", name)
+
+    def missing(self) -> Optional[str]:
+        """What is wrong with this machine for these trackers (a package not installed), or None."""
+        absent = [n for n in self.active if not installed(EXTRAS[n])]
+        if not absent:
+            return None
+        extras = ",".join(absent)
+        return (f"report_to={self.report_to} needs {' and '.join(absent)}, which is not installed: "
+                f"pip install 'admm_dist[{extras}]' (or drop it from report_to)")
+
+
+def installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ValueError:     # sys.modules[package] is None: imports of it are blocked
+        return False
+
+
+def event_files(folder: str) -> List[str]:
+    """TensorBoard event files already in ``folder`` (another attempt's, or another run's)."""
+    return sorted(glob.glob(os.path.join(folder, EVENTS_GLOB)))
+
+
+# ----------------------------------------------------------------------------- the figures
+def round_scalars(rec: "RoundRecord", *, telemetry_sent: int, telemetry_recv: int,
+                  dev_nll: Optional[float] = None, delta_w_rel: Optional[float] = None) -> Dict[str, float]:
+    """One round's figures, by tracker tag (see the module docstring)."""
+    out: Dict[str, float] = {}
+    per_node = (("loss", rec.f), ("primal_residual", rec.primal),
+                ("primal_residual_normalized", rec.primal_normalized), ("dual_residual", rec.dual),
+                ("bytes_sent/consensus", rec.bytes_sent), ("bytes_recv/consensus", rec.bytes_recv),
+                ("seconds/x_step", rec.sec_x), ("seconds/z_step", rec.sec_z), ("seconds/other", rec.sec_other))
+    for tag, values in per_node:
+        out.update({f"{tag}/node_{i}": float(v) for i, v in enumerate(values)})
+    out.update({"bytes_sent/telemetry": float(telemetry_sent), "bytes_recv/telemetry": float(telemetry_recv),
+                "admm/rho": float(rec.rho), "admm/x1_norm": float(rec.x1_norm)})
+    if delta_w_rel is not None:
+        out["admm/delta_w_rel"] = float(delta_w_rel)
+    if dev_nll is not None:
+        out["dev/nll"] = float(dev_nll)
+    return out
+
+
+def collection_scalars(stats: Mapping[str, Any]) -> Dict[str, float]:
+    """A collection's numeric statistics (the fit set's size and pass rates; pre-screen counts)."""
+    out = {f"collection/{k}": float(v) for k, v in stats.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "collection"}
+    for k, v in (stats.get("prescreen") or {}).items():
+        out[f"collection/prescreen_{k}"] = float(v)
+    return out
+
+
+def final_scalars(delta_w: Sequence[float], deploy_local: bool) -> Dict[str, float]:
+    if deploy_local:
+        return {f"final/delta_w_rel/node_{i}": float(d) for i, d in enumerate(delta_w)}
+    return {"final/delta_w_rel": float(delta_w[0])}
+
+
+# ----------------------------------------------------------------------------- the writers
+class TensorBoardWriter:
+    """Scalars into TensorBoard event files (``torch.utils.tensorboard``)."""
+
+    def __init__(self, folder: str, config_yaml: str, purge_step: Optional[int]):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UserError("report_to=tensorboard needs the tensorboard package: "
+                            "pip install 'admm_dist[tensorboard]' (or drop it from report_to)") from None
+        self.writer = SummaryWriter(log_dir=folder, purge_step=purge_step)
+        if purge_step is None:     # a resumed run's config is already in the first attempt's file
+            self.writer.add_text("config", "```yaml\n" + config_yaml + "\n```", 0)
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbWriter:
+    """Scalars into a W&B run (offline by default: ``<folder>/wandb/offline-run-*``)."""
+
+    def __init__(self, folder: str, config: Dict[str, Any], *, project: str, mode: str, name: str,
+                 run_id: str):
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("report_to=wandb needs the wandb package: pip install 'admm_dist[wandb]' "
+                            "(or drop it from report_to)") from None
+        os.makedirs(folder, exist_ok=True)
+        settings = wandb.Settings(silent=True, console="off", disable_git=True, x_disable_stats=True,
+                                  disable_code=True)
+        self.run = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=folder, mode=mode,
+                              config=config, settings=settings)
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        self.run.log({k: (v if math.isfinite(v) else None) for k, v in scalars.items()}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Tracker:
+    """The run's trackers, seen from one rank: rank 0 writes to each, other ranks do nothing."""
+
+    def __init__(self, writers: Sequence[Any] = ()):
+        self.writers = list(writers)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.writers)
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        for w in self.writers:
+            w.log(step, scalars)
+
+    def close(self) -> None:
+        writers, self.writers = self.writers, []
+        for w in writers:
+            w.close()
+
+
+def open_tracker(tcfg: TrackingConfig, *, rank: int, folder: str, name: str, config: Dict[str, Any],
+                 config_yaml: str, run_id: str, resumed_after: int = 0) -> Tracker:
+    """Rank 0's writers for ``report_to`` (an inactive Tracker elsewhere, or for ``none``).
+
+    ``resumed_after``: the round a resumed run continues after; TensorBoard then drops the
+    events an earlier attempt wrote past it (``purge_step``), so a curve has one value per round.
+    """
+    if rank != 0 or not tcfg.active:
+        return Tracker()
+    writers: List[Any] = []
+    try:
+        for kind in tcfg.active:
+            if kind == "tensorboard":
+                writers.append(TensorBoardWriter(folder, config_yaml, resumed_after + 1 if resumed_after else None))
+            else:
+                writers.append(WandbWriter(folder, config, project=tcfg.wandb_project, mode=tcfg.wandb_mode,
+                                           name=name, run_id=run_id))
+    except BaseException:
+        Tracker(writers).close()
+        raise
+    return Tracker(writers)

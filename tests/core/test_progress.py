@@ -1,0 +1,98 @@
+"""Progress bars: drawn on a terminal (a real pseudo-terminal here), absent from a redirected
+log, absent under ``quiet``; the training command shows its rounds, reference log-probs and
+collection on a terminal and writes plain lines to a file."""
+import fcntl
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+
+from conftest import REPO
+
+N = 2
+
+
+def on_terminal(cmd, timeout=240, env=None):
+    """Run ``cmd`` with stdout and stderr on a new pseudo-terminal (120 columns); its output."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=REPO,
+                            env=env, close_fds=True)
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:          # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+        else:
+            pytest.fail(f"{cmd} did not finish on the terminal within {timeout}s")
+        assert proc.wait(timeout=30) == 0, out.decode(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        os.close(master)
+    return out.decode(errors="replace")
+
+
+BAR = "import sys; from admm_dist.core import progress\n" \
+      "for _ in progress.bar(range(5), desc='work', show='quiet' not in sys.argv): pass\n" \
+      "progress.say('line after')\n"
+
+
+def test_a_bar_is_drawn_on_a_terminal():
+    out = on_terminal([sys.executable, "-c", BAR])
+    assert "work: 100%" in out and "5/5" in out and "\r" in out
+    assert "line after" in out
+
+
+def test_no_bar_in_a_redirected_log_or_when_quiet(tmp_path):
+    log = tmp_path / "log.txt"
+    with open(log, "wb") as f:
+        subprocess.run([sys.executable, "-c", BAR], stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                       check=True, timeout=60)
+    assert log.read_text() == "line after\n"
+    out = on_terminal([sys.executable, "-c", BAR, "quiet"])
+    assert "work" not in out and "line after" in out
+
+
+def _train_cmd(assets, tmp_path, *extra):
+    return [sys.executable, "-m", "admm_dist.train", f"model_name={assets['backbone']}",
+            f"fitset_cache={assets['fit']}", "task=synthetic", f"n_agents={N}", "device=cpu", "lora_rank=4",
+            "lora_alpha=8", "lora_layers_last=2", "k_outer=3", "local_steps=2", "batch_size=4", "eta=0.02",
+            "rho=0.1", "grad_clip=1.0", f"out={tmp_path / 'run'}", f"report_dir={tmp_path / 'reports'}", *extra]
+
+
+def test_training_shows_its_rounds_on_a_terminal_and_plain_lines_in_a_log(tiny_assets, tmp_path):
+    assets = tiny_assets(N)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = on_terminal(_train_cmd(assets, tmp_path / "tty"), env=env)
+    assert "rounds: 100%" in out and "3/3" in out
+    assert "reference log-probs" in out
+    assert "round   3/3" in out       # the log lines still come, above the bar
+
+    log = tmp_path / "train.log"
+    with open(log, "wb") as f:
+        subprocess.run(_train_cmd(assets, tmp_path / "file"), stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                       env=env, check=True, timeout=240)
+    text = log.read_text()
+    assert "round   3/3" in text
+    assert "\r" not in text and "%|" not in text and "rounds:" not in text
+
+    quiet = on_terminal(_train_cmd(assets, tmp_path / "quiet", "quiet=true"), env=env)
+    assert "rounds:" not in quiet and "round   1/3" not in quiet
