@@ -1,6 +1,7 @@
 """The package's architecture, checked from its source: layers import only downwards, no import
 cycle, no private name used across modules, no module over the size limit, and nothing at the
-top of ``admm_dist/`` but the package's face and the entry-point shims.
+top of ``admm_dist/`` but the package's face and the entry-point shims; matplotlib only in
+the plots layer.
 
 The same check runs by hand: ``python -m tests.test_layers`` prints the import graph's
 cycles, the layer violations and the largest modules.
@@ -151,6 +152,18 @@ def test_no_module_over_the_size_limit():
     mods = modules()
     big = {m: n for m, p in mods.items() if (n := sum(1 for _ in open(p, encoding="utf-8"))) > MAX_LINES}
     assert big == {}
+
+
+def test_only_the_plots_layer_imports_matplotlib():
+    """matplotlib is an extra (``admm_dist[plot]``): nothing else may need it."""
+    users = []
+    for mod, path in modules().items():
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n.split(".")[0] == "matplotlib" for n in names):
+                users.append(mod)
+    assert users and all(m.startswith("admm_dist.plots.") for m in users), users
 
 
 def test_every_package_says_what_it_owns():

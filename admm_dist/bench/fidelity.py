@@ -55,7 +55,7 @@ from typing import Dict, Optional, Sequence
 
 from admm_dist.bench.common import write_json
 from admm_dist.bench.fidelity_run import ARM_NAMES, BASE, BenchError, base_config, job_key, run_job
-from admm_dist.bench.fidelity_stats import draw, format_table, summarize
+from admm_dist.bench.fidelity_stats import format_table, summarize
 
 PROG = "python -m admm_dist.bench.fidelity"
 DEFAULT_CONFIG = "configs/cpu/standin_onpolicy.yaml"
@@ -156,7 +156,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.json:
             write_json(args.json, summary, f"wrote {args.json}")
         if args.png:
-            draw(summary, args.png, args)
+            from admm_dist.plots import figures   # matplotlib loads only when a figure is asked for
+
+            title = f"learning benchmark: {len(args.seed_list)} seed(s), {args.eval_n} eval rows"
+            figures.save(figures.bench_overview(summary, args.arm_list, title), args.png, title,
+                         args.json or "python -m admm_dist.bench.fidelity")
             print(f"wrote {args.png}")
         return 0
     except (BenchError, subprocess.TimeoutExpired) as e:

@@ -3,7 +3,8 @@
 It owns how the per-seed results become figures: :func:`crossed_bootstrap` (the 95% interval
 resampling seeds and rows), :func:`t_interval` (over seeds only), :func:`summarize` (the
 benchmark's JSON: per arm and mode the accuracy, gain and intervals, and each arm's training
-traces), :func:`format_table` (the printed table) and :func:`draw` (the PNG figure).
+traces) and :func:`format_table` (the printed table); the PNG figure is
+:func:`admm_dist.plots.figures.bench_overview`.
 """
 from __future__ import annotations
 
@@ -128,49 +129,3 @@ def format_table(summary: Dict[str, object], args) -> str:
                     row += f"{r['minus_ref']:+9.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>18}"
             lines.append(row)
     return "\n".join(lines)
-
-
-def draw(summary: Dict[str, object], path: str, args) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from admm_dist.core.io import atomic_write_bytes
-
-    modes = list(summary["modes"])
-    fig, axes = plt.subplots(1, len(modes) + 2, figsize=(5 * (len(modes) + 2), 4.2))
-    for ax, mode in zip(axes, modes):
-        table = summary["modes"][mode]
-        names = [n for n in [BASE] + list(args.arm_list) if n in table and "refused" not in table[n]]
-        base = table[BASE]["mean"]
-        for i, n in enumerate(names):
-            r = table[n]
-            ax.bar(i, r["mean"], color="lightgray" if n == BASE else "C0", alpha=0.8)
-            ax.scatter([i] * len(r["accuracy"]), r["accuracy"], color="k", s=10, zorder=3)
-            if "gain_ci95" in r:
-                lo, hi = r["gain_ci95"]
-                ax.errorbar(i, r["mean"], yerr=[[r["gain"] - lo], [hi - r["gain"]]], color="C3", capsize=4)
-        ax.axhline(base, color="gray", lw=0.8, ls="--")
-        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
-        ax.set_title(f"{mode} accuracy (bars: mean over seeds; red: 95% CI of the gain)", fontsize=8)
-    for ax, key, title in ((axes[-2], "f", "local objective f_i (mean over nodes)"),
-                           (axes[-1], "primal_normalized", "max normalized primal residual")):
-        for j, name in enumerate(args.arm_list):
-            runs = [r for r in summary["arms"][name][key] if r]
-            if not runs:
-                continue
-            agg = [(sum(v) / len(v)) if key == "f" else max(v) for v in zip(*[[
-                (sum(row) / len(row) if key == "f" else max(row)) for row in run] for run in runs])]
-            ax.plot(range(1, len(agg) + 1), agg, marker="o", ms=3, label=name, color=f"C{j}")
-        ax.set_xlabel("round")
-        ax.set_title(title + ", mean over seeds" if key == "f" else title + ", worst seed", fontsize=8)
-        if key != "f":
-            ax.set_yscale("symlog", linthresh=1e-3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())

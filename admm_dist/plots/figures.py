@@ -32,6 +32,7 @@ from admm_dist.plots.series import (
     PerNode,
     Series,
     TrainSeries,
+    bench_summary,
     load,
 )
 
@@ -262,6 +263,33 @@ def arm_panel(ax: Axes, mode: str, arms: list[ArmBars]) -> None:
     ax.set_ylabel("accuracy (fraction of chains correct)")
     ax.set_title(f"{mode} decoding", fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
+
+
+def bench_overview(summary: dict, arm_names: Sequence[str], title: str) -> Figure:
+    """The learning benchmark's own figure (``python -m admm_dist.bench.fidelity --png``): per
+    mode the accuracy by arm, then every arm's mean f over seeds and worst-seed normalized
+    primal residual per round, from the benchmark's summary dict."""
+    modes = list(summary["modes"])
+    fig, axes = new_figure(len(modes) + 2, title)
+    for ax, (mode, arms) in zip(axes, bench_summary(summary, "").modes.items()):
+        arm_panel(ax, mode, [a for a in arms if a.name == BASE_ARM or a.name in arm_names])
+    for ax, key, what in ((axes[-2], "f", "local objective f_i (mean over nodes), mean over seeds"),
+                          (axes[-1], "primal_normalized", "max normalized primal residual, worst seed")):
+        for j, name in enumerate(arm_names):
+            runs = [r for r in summary["arms"][name][key] if r]
+            if not runs:
+                continue
+            node = mean if key == "f" else max
+            seeds = [[node(row) for row in run] for run in runs]
+            agg = [(mean if key == "f" else max)(list(col)) for col in zip(*seeds)]
+            ax.plot(range(1, len(agg) + 1), agg if key == "f" else positive(agg), color=f"C{j}", label=name,
+                    **style(agg))
+        round_axis(ax, what, "f_i" if key == "f" else "||x_i - z_i|| / ||z_i|| (log)")
+        if key != "f":
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
 
 
 # ---------------------------------------------------------------------------- the command
