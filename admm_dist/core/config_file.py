@@ -91,6 +91,9 @@ def coerce(key: str, tp: Any, raw: Any) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={raw!r} must be a number") from None
     if tp is str:
+        if isinstance(raw, list) and all(isinstance(x, (str, int, float)) for x in raw):
+            raise ConfigError(f"{key} must be a string, got a list: write it as one string, "
+                              f"e.g. {key}={','.join(map(str, raw))}")
         if isinstance(raw, (dict, list)):
             raise ConfigError(f"{key} must be a string, got {type(raw).__name__}")
         return str(raw)

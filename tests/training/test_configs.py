@@ -76,6 +76,16 @@ def test_unknown_yaml_key_is_rejected(tmp_path):
         C.load(TrainConfig, ["--config", "configs/cpu/admm_ring.yaml", "--config=configs/cpu/admm_local.yaml"])
 
 
+def test_a_yaml_list_for_report_to_names_the_comma_form(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("report_to: [tensorboard, wandb]\n")
+    with pytest.raises(C.ConfigError, match="report_to must be a string, got a list: write it as one string, "
+                                            "e.g. report_to=tensorboard,wandb"):
+        C.load(TrainConfig, ["--config", str(y)])
+    y.write_text("report_to: tensorboard,wandb\n")
+    assert C.load(TrainConfig, ["--config", str(y)]).tracking_config().active == ["tensorboard", "wandb"]
+
+
 @pytest.mark.parametrize("argv,match", [
     (["out="], "name the run"),
     (["out=runs/."], "name the run"),
