@@ -13,7 +13,8 @@ COPY admm_dist ./admm_dist
 COPY launch ./launch
 COPY configs ./configs
 COPY assets ./assets
-RUN python -m pip install --no-cache-dir -e . \
+# the trackers (report_to=tensorboard|wandb) and the plot command come with the image
+RUN python -m pip install --no-cache-dir -e ".[tensorboard,wandb,plot]" \
  && python -c "import admm_dist, torch; print('torch', torch.__version__)"
 
 ENV OMP_NUM_THREADS=1
