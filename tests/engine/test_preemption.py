@@ -59,7 +59,7 @@ def _preempt(args, nproc, deadline=240):
     return rc, "".join(lines)
 
 
-@pytest.mark.parametrize("nproc", [1, N])
+@pytest.mark.parametrize("nproc", [1, pytest.param(N, marks=pytest.mark.slow)])   # N ranks: ~75 s, slow
 def test_sigusr2_checkpoints_every_rank_and_resume_finishes_the_same(assets, tmp_path, nproc):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     clean = subprocess.run(_cmd(_args(assets, tmp_path / "clean"), nproc), env=env, capture_output=True,

@@ -154,6 +154,7 @@ def _rank_worker(ctx, cfg):
     return Trainer(cfg, ctx).train()["rounds"]
 
 
+@pytest.mark.slow
 def test_under_torchrun_rank_0_alone_writes_every_nodes_figures(assets, tmp_path):
     cfg = _cfg(assets, tmp_path, report_to="tensorboard", k_outer=2)
     rounds = launch_cpu(_rank_worker, N, cfg, timeout_s=120)[0]

@@ -90,6 +90,7 @@ def _torchrun(tmp, nproc, restarts=0, fault=None, **kw):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
 
 
+@pytest.mark.slow   # about 85 s on 2 cores; the default suite's test_killed_rank_resumes_bit_for_bit covers resume
 def test_killed_rank_resumes_and_recollects_bit_for_bit(tmp_path):
     """A rank dies after round 2; the restart re-collects round 2's fresh queries from the
     checkpointed z (the same z gives the same rollouts) and ends with the same z."""
