@@ -1,6 +1,6 @@
-"""What every command shares: a parser whose errors are one line, a ``main`` wrapper that turns a
-:class:`~admm_dist.core.errors.UserError` (or a missing file, or a missing optional package)
-into one line on stderr and exit code 2..
+"""What every command shares: a parser whose errors are one line and whose help is plain text, a
+``main`` wrapper that turns a :class:`~admm_dist.core.errors.UserError` (or a missing file, or a
+missing optional package) into one line on stderr and exit code 2.
 
 Real bugs are not caught here: they stay tracebacks.
 """
@@ -12,6 +12,7 @@ from typing import Callable, Optional, Sequence
 
 from admm_dist.core.errors import EXIT_USER_ERROR, UserError, one_line
 from admm_dist.core.libraries import quiet_libraries
+from admm_dist.core.text import plain
 
 # What bad input raises: UserError (every check of ours), OSError (a missing or unwritable
 # file), ImportError (an optional package that is not installed).
@@ -19,7 +20,12 @@ BAD_INPUT = (UserError, OSError, ImportError)
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line on stderr (exit code 2)."""
+    """An ArgumentParser whose errors are one line on stderr (exit code 2), and whose description
+    and epilog (usually a docstring's paragraphs) are shown as plain text, without reST markup."""
+
+    def __init__(self, *args, description: Optional[str] = None, epilog: Optional[str] = None, **kwargs):
+        super().__init__(*args, description=description and plain(description),
+                         epilog=epilog and plain(epilog), **kwargs)
 
     def error(self, message: str):
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}\n")

@@ -2,14 +2,14 @@
 folder offline (:mod:`admm_dist.model.pretrained`)."""
 from __future__ import annotations
 
-import argparse
 import sys
 
+from admm_dist.cli.common import OneLineParser
 from admm_dist.model import pretrained
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m admm_dist.cli.pretrained", description=pretrained.__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m admm_dist.cli.pretrained", description=pretrained.__doc__.split("\n\n")[0])
     ap.add_argument("model", choices=sorted(pretrained.MODELS), help="which packaged model")
     ap.add_argument("--out", default=None, help="the model folder to write (default: assets/<model>)")
     a = ap.parse_args(argv)

@@ -2,18 +2,18 @@
 measure it through the full chain (:mod:`admm_dist.testing.standin`)."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from typing import Optional, Sequence
 
+from admm_dist.cli.common import OneLineParser
 from admm_dist.core.io import atomic_write_json
 from admm_dist.testing import standin
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m admm_dist.cli.standin", description=standin.__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m admm_dist.cli.standin", description=standin.__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train", help="train the stand-in from scratch and write its folder")
     tr.add_argument("--out", required=True)

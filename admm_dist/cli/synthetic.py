@@ -2,18 +2,18 @@
 fit sets in DIR (:mod:`admm_dist.testing.synthetic`, :mod:`admm_dist.testing.tiny`)."""
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Optional, Sequence
 
 from transformers import AutoTokenizer
 
+from admm_dist.cli.common import OneLineParser
 from admm_dist.testing import synthetic
 from admm_dist.testing.tiny import save_tiny_backbone
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m admm_dist.cli.synthetic", description=synthetic.__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m admm_dist.cli.synthetic", description=synthetic.__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for backbone/ and fitset-*.jsonl")
     p.add_argument("--n_agents", type=int, default=4)
     p.add_argument("--per_seat", type=int, default=32)

@@ -1,12 +1,16 @@
-"""Entry point: ``torchrun --nproc_per_node N -m admm_dist.train --config configs/X.yaml [overrides]``.
+"""Train the chain's LoRA adapters by consensus ADMM.
 
-Without torchrun (or with ``--backend local``) every node runs in this one
-process on one backbone. Overrides are the seed's flags (``--rho 0.1``,
-``--local_only``) or ``key=value``; see :mod:`admm_dist.training.config` for all keys.
-The process group is always torn down, on success and on failure. Bad input (a
-:class:`~admm_dist.core.errors.UserError`, or a path that cannot be used) ends the run with
-one line on stderr and exit code 2; a run that cannot go on (a peer rank stopped, the
-iterates diverged) with one line and exit code 1; anything else is a bug and a traceback.
+usage: torchrun --nproc_per_node N -m admm_dist.train [--config FILE.yaml] [overrides ...]
+       python -m admm_dist.train [--config FILE.yaml] [overrides ...]
+
+Under torchrun the ADMM nodes (one per adapted seat) are spread over the ranks, one each with
+--nproc_per_node N; with plain python (or --backend local) every node runs in this one process
+on one backbone. Settings are layered: the defaults below, then the YAML file of --config
+(configs/ has the paper's arms and small CPU versions), then overrides as --key value or
+key=value (a bare --flag sets a boolean to true). An unknown key is refused with the closest
+valid name. Bad input ends the run with one line on stderr and exit code 2; a run that cannot
+go on (a peer rank stopped, the iterates diverged) with one line and exit code 1; the process
+group is always torn down.
 """
 from __future__ import annotations
 
@@ -18,15 +22,15 @@ from torch.distributed import DistError
 from admm_dist.core import config_file
 from admm_dist.core.errors import EXIT_RUN_ERROR, EXIT_USER_ERROR, RunError, UserError
 from admm_dist.core.libraries import quiet_libraries
+from admm_dist.core.text import plain
 from admm_dist.engine.dist import distributed, read_env
 from admm_dist.engine.preemption import Preempted, PreemptionFlag, record_pid, write_status
 from admm_dist.testing import faults
-from admm_dist.training.config import TrainConfig
+from admm_dist.training.config import TrainConfig, help_text
 from admm_dist.training.trainer import Trainer
 
 PROG = "admm_dist.train"
-HELP = __doc__ + "\nKeys and defaults:\n" + "\n".join(
-    f"  --{k} {v!r}" for k, v in TrainConfig().as_dict().items())
+HELP = plain(__doc__) + "\nKeys, by group (meaning; choices; default):\n\n" + help_text()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -10,12 +10,18 @@ in the YAML file or on the command line, are rejected with the closest valid
 name; values are converted to the field's type, and the dataclass's
 ``__post_init__`` says how to fix a bad value. :func:`to_yaml_dict` gives the
 resolved configuration that rank 0 writes next to the outputs.
+
+Each key is documented where it is defined: :func:`key` makes a dataclass field whose metadata
+holds its one-line help, its choice list and its help group, and :func:`from_component` makes a
+flat key that copies a component's field (default, help and choices), so the two cannot drift.
+:func:`format_help` renders the grouped ``--help`` from that metadata.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import os
+import textwrap
 import typing
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
@@ -39,14 +45,87 @@ def default_of(component: type, name: str) -> Any:
     return field.default
 
 
+def key(default: Any, help: str, *, choices: Any = None, group: Optional[str] = None,
+        metavar: Optional[str] = None) -> Any:
+    """A configuration field with its one-line ``help``, its ``choices`` (a constant list or
+    dict of the owning module; a dict gives its keys) and its ``--help`` ``group``."""
+    if not help.strip() or "\n" in help:
+        raise TypeError(f"help must be one non-empty line, got {help!r}")
+    meta = {"help": help, "choices": None if choices is None else tuple(choices), "group": group,
+            "metavar": metavar}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def from_component(component: type, name: str, *, group: Optional[str] = None) -> Any:
+    """A flat field that mirrors field ``name`` of the dataclass ``component``: its default, help
+    and choices are the component's (written once, there); ``group`` places it in ``--help``."""
+    field = _fields(component)[name]
+    if not field.metadata.get("help"):
+        raise TypeError(f"{component.__name__}.{name} has no help: define it with config_file.key")
+    return dataclasses.field(default=default_of(component, name), metadata={
+        **field.metadata, "group": group or field.metadata.get("group"), "component": component})
+
+
+def meta(cls: type, name: str) -> Mapping[str, Any]:
+    """The help metadata of field ``name`` (help, choices, group, metavar; component when it mirrors one)."""
+    return _fields(cls)[name].metadata
+
+
+def shown(value: Any) -> str:
+    """A default as ``--help`` shows it (YAML's spelling: true, false, none)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if value == "" else str(value)
+
+
+def value_type(cls: type, name: str) -> type:
+    """The type of field ``name``'s value (``X`` for ``Optional[X]``)."""
+    tp = typing.get_type_hints(cls)[name]
+    return next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+
+
+def metavar_of(cls: type, name: str) -> str:
+    """What ``--help`` shows after ``--name``: the field's metavar, else NAME for a choice, N for an
+    integer, X for a number, TEXT for a string, nothing for a boolean (a bare flag)."""
+    field = _fields(cls)[name]
+    tp = value_type(cls, name)
+    if tp is bool:
+        return ""
+    if field.metadata.get("metavar"):
+        return field.metadata["metavar"]
+    return "NAME" if field.metadata.get("choices") else {int: "N", float: "X"}.get(tp, "TEXT")
+
+
+def format_help(cls: type, groups: Sequence[str], width: int = 100, column: int = 32) -> str:
+    """Every field of ``cls`` by group (in ``groups``' order): ``--key METAVAR``, its meaning,
+    its choices and its default. A field outside ``groups`` is an error (it would be hidden)."""
+    by_group: Dict[str, List[str]] = {g: [] for g in groups}
+    pad = " " * column
+    for f in dataclasses.fields(cls):
+        group = f.metadata.get("group")
+        if group not in by_group or not f.metadata.get("help"):
+            raise TypeError(f"{cls.__name__}.{f.name} needs help and one of the groups {list(groups)}")
+        head = f"  --{f.name} {metavar_of(cls, f.name)}".rstrip()
+        tail = f"default: {shown(f.default)}"
+        if f.metadata.get("choices"):
+            tail = f"choices: {' | '.join(map(str, f.metadata['choices']))}; {tail}"
+        lines = [ln for text in (f.metadata["help"], tail) for ln in textwrap.wrap(
+            text, width - column, break_on_hyphens=False, break_long_words=False)]
+        first = head.ljust(column) + lines[0] if len(head) < column - 1 else head + "\n" + pad + lines[0]
+        by_group[group].append("\n".join([first] + [pad + ln for ln in lines[1:]]))
+    return "\n\n".join(f"{g}:\n" + "\n".join(rows) for g, rows in by_group.items() if rows)
+
+
 def _fields(cls) -> Dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
-def _unknown(key: str, known: Sequence[str], where: str) -> ConfigError:
+def _unknown(key: str, known: Sequence[str], where: str, listed_by: str = "--help") -> ConfigError:
     close = difflib.get_close_matches(key, list(known), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigError(f"unknown key {key!r} in {where}{hint}: valid keys are listed by --help")
+    return ConfigError(f"unknown key {key!r} in {where}{hint}: valid keys are listed by {listed_by}")
 
 
 def _parse_bool(key: str, raw: Any) -> bool:
@@ -163,15 +242,16 @@ def load_yaml(path: str) -> Dict[str, Any]:
     return data
 
 
-def build(cls: Type[T], *layers: Tuple[str, Mapping[str, Any]]) -> T:
-    """Apply (source name, {key: raw}) layers over the dataclass defaults."""
+def build(cls: Type[T], *layers: Tuple[str, Mapping[str, Any]], listed_by: str = "--help") -> T:
+    """Apply (source name, {key: raw}) layers over the dataclass defaults; an unknown key's error
+    says the valid keys are listed by ``listed_by``."""
     fields = _fields(cls)
     hints = typing.get_type_hints(cls)
     values: Dict[str, Any] = {}
     for where, layer in layers:
         for key, raw in layer.items():
             if key not in fields:
-                raise _unknown(key, fields, where)
+                raise _unknown(key, fields, where, listed_by)
             values[key] = coerce(key, hints[key], raw)
     try:
         return cls(**values)

@@ -1,4 +1,5 @@
-"""Text conventions shared by every layer: the reasoning block, choice letters, integers.
+"""Text conventions shared by every layer: the reasoning block, choice letters, integers, and
+docstrings turned into plain text for a command's ``--help`` (:func:`plain`).
 
 One definition each. The *visible* part of a message is the text after its last ``</think>``
 (the rule of Qwen3's chat template, which drops everything up to the last closing tag when a
@@ -6,6 +7,7 @@ message enters the history); a message without one is all visible.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 THINK_OPEN = "<think>"
@@ -21,3 +23,16 @@ def visible(text: str) -> str:
 def is_int(v: Any) -> bool:
     """An ``int`` that is not a ``bool`` (JSON and YAML integers, not ``true``)."""
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`")    # :mod:`x`, :class:`~a.b.C`, :ref:`t <x>`
+_LITERAL = re.compile(r"``(.+?)``", re.S)
+
+
+def plain(doc: str) -> str:
+    """A docstring as plain text for ``--help``: reST roles become their target's name (the last
+    part after a ``~``), double-backtick literals their text."""
+    def role(m: "re.Match") -> str:
+        name = m.group(1).strip()
+        return name.rsplit(".", 1)[-1] if m.group(0).split("`", 1)[1].startswith("~") else name
+    return _LITERAL.sub(r"\1", _ROLE.sub(role, doc or ""))

@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from admm_dist.core.config_file import key
 from admm_dist.core.errors import RunError, UserError
 from admm_dist.engine.comm import CONSENSUS, Communicator
 
@@ -47,12 +48,13 @@ ROW_FIELDS = ("f", "primal", "z_norm", "dual", "x_norm", "bytes_sent", "bytes_re
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ADMMConfig:
-    rho: float = 0.03
-    local_only: bool = False
-    no_dual: bool = False
-    rho_adapt: bool = False
-    rho_mu: float = 10.0
-    rho_tau: float = 2.0
+    rho: float = key(0.03, "ADMM penalty: how strongly each node is pulled to the consensus (lambda = 1/rho)")
+    local_only: bool = key(False, "ADMM-Local ablation: no coupling (no z or u exchange); each node keeps its x_i")
+    no_dual: bool = key(False, "ADMM-NoDual ablation: the duals u_i stay 0 (a penalty method)")
+    rho_adapt: bool = key(False, "residual balancing (Boyd et al. 2011, 3.4.1): rho grows or shrinks "
+                          "when one residual exceeds the other; duals are rescaled")
+    rho_mu: float = key(10.0, "rho_adapt: change rho when one residual is rho_mu times the other (> 1)")
+    rho_tau: float = key(2.0, "rho_adapt: the factor rho is multiplied or divided by (> 1)")
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.rho_mu) and self.rho_mu > 1):

@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from admm_dist.core import progress
+from admm_dist.core.config_file import key
 from admm_dist.core.errors import UserError
 from admm_dist.mas import prompts as P
 from admm_dist.mas.generate import generate
@@ -59,16 +60,20 @@ class Rollout:
 
 @dataclasses.dataclass
 class ChainConfig:
-    n_agents: int = 4
-    prompt: str = "sequential_v2"
-    words: str = "default"
-    think: bool = False
-    context_tokens: Optional[int] = None     # text_mas_context_length
-    max_new_tokens: int = 4096
-    sink_tokens: Optional[int] = None        # last seat's budget (None: max_new_tokens)
-    temperature: float = 0.8
-    top_p: float = 0.95
-    batch_size: int = 64
+    n_agents: int = key(4, "seats in the chain (roles Planner, Critic, Refiner, Judger, then Agent5, ...)")
+    prompt: str = key("sequential_v2", "prompt layout: sequential (a seat reads the previous message), "
+                      "sequential_v2 (every upstream message), hierarchical (seats answer alone, the last reads "
+                      "them all); *_v2s: hardened (other agents' messages are quoted as data)", choices=P.prompt_modes())
+    words: str = key("default", "the task's prompt wording", choices=P.WORDINGS)
+    think: bool = key(False, "turn on the chat template's thinking mode (needs an enable_thinking switch)")
+    context_tokens: Optional[int] = key(None, "cap on the upstream context a seat reads, in tokens "
+                                        "(none or 0: no cap)")
+    max_new_tokens: int = key(4096, "token budget of each generated message")
+    sink_tokens: Optional[int] = key(None, "the last seat's budget in training rollouts (none: max_new_tokens; "
+                                     "0: it does not generate)")
+    temperature: float = key(0.8, "sampling temperature of on-policy rollouts (> 0)")
+    top_p: float = key(0.95, "nucleus sampling: keep the smallest token set of this probability, in (0, 1]")
+    batch_size: int = key(64, "rows per generate call (memory only: results do not change)")
 
     def __post_init__(self) -> None:
         if self.n_agents < 1:

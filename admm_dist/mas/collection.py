@@ -37,6 +37,7 @@ import torch
 
 from admm_dist import tasks
 from admm_dist.core import progress
+from admm_dist.core.config_file import key
 from admm_dist.core.constants import PRESCREEN_SALT
 from admm_dist.core.errors import UserError
 from admm_dist.data import queries
@@ -51,7 +52,8 @@ COLLECT_KEY = ("task", "prompt", "think", "n_agents", "adapt_roles", "credit", "
                "anchor_pool", "anchor_offset", "task_path", "text_mas_context_length",
                "fit_prompt", "agent_models", "prefix_samples", "generation_backend")
 # Keys added after fit sets were first written, with the value that reproduces such a file:
-# they enter the key only when set otherwise, so an older cache stays valid.
+# they enter the key only when set otherwise, so an older cache stays valid. The one list of
+# them: a checkpoint's fingerprint (training/config.py) leaves them out the same way.
 LATER_KEYS = {"prefix_samples": 1, "generation_backend": "hf"}
 CREDITS = ("shared", "per_role")                 # credit: one reward for the chain, or per seat
 REWARDS = ("outcome", "judge", "gold_likelihood")  # reward: what scores a rollout
@@ -89,13 +91,18 @@ class Collector:
     runner: ChainRunner
     task: str
     seats: Sequence[int]                 # adapted seats: the ones that get examples
-    group: int = 8
-    credit: str = "shared"
-    reward: str = "outcome"
+    group: int = key(8, "rollouts per training query (per adapted seat under per_role credit)")
+    credit: str = key("shared", "shared: every message of a chain gets the chain's outcome; per_role: each "
+                      "adapted seat resamples its message from one fixed prefix and the chain is finished "
+                      "with downstream_seed, so an outcome difference belongs to that seat", choices=CREDITS)
+    reward: str = key("outcome", "what scores a rollout: outcome (the task's scorer on the final answer), judge "
+                      "(safety labels stored in the fit set by judge_fitset), gold_likelihood (log-prob of the "
+                      "gold answer after the chain)", choices=REWARDS)
     seed: int = 42
-    downstream_seed: int = 1234
-    chunk: int = 8
-    prefix_samples: int = 1              # per_role: branch from the first right of P prefix chains
+    downstream_seed: int = key(1234, "per_role: the sampling seed of the seats after the branching one")
+    chunk: int = key(8, "queries per collection work unit; units are spread over the ranks")
+    prefix_samples: int = key(1, "per_role: branch from the first of this many prefix chains that answered "
+                              "right (the first chain when none did)")
     fit_prompt: Optional[str] = None
     rank: int = 0
     world: int = 1

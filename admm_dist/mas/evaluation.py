@@ -3,6 +3,12 @@
     python -m admm_dist.evaluate --task chain_arith --model_name assets/standin --n 400 \\
         [--adapter runs/admm-last.safetensors | --deploy local --state runs/admm] \\
         [--agent_models 1=PATH] [--save_trajectories T.jsonl] [--json S.json]
+    python -m admm_dist.evaluate --config runs/admm/config.yaml --state runs/admm --n 400
+
+``--config`` takes the settings evaluation shares with training (task, model, chain, prompt,
+generation, seed, device) from a training config or a run's ``<out>/config.yaml``; the chain is
+prompted with the run's ``fit_prompt`` when it has one. Flags given override the file. A run
+that trained on a pre-built fit set (``task: fitset``) names no task: pass ``--task`` then.
 
 Rows are the front of the task pool shuffled by ``--seed`` (:mod:`admm_dist.data.queries`), rows
 ``[offset, offset + n)``. What runs on the adapted seats (``--adapt_roles``):
@@ -227,7 +233,8 @@ def prepare(args):
         queries.refuse_leaks(rows, train_keys(report), report=report)
     if dep and dep.anchor_keys is not None:   # a copied adapter still knows what it trained on
         queries.refuse_leaks(rows, dep.anchor_keys, report=dep.describe)
-    settings = {"model_name": model_name, "seed": args.seed, "split": args.split or "eval",
+    settings = {"config": getattr(args, "config", None), "model_name": model_name, "seed": args.seed,
+                "split": args.split or "eval",
                 "task_path": args.task_path, "n_agents": n, "prompt": args.prompt, "words": spec.words,
                 "think": args.think, "text_mas_context_length": args.text_mas_context_length,
                 "adapt_roles": args.adapt_roles or run_cfg.get("adapt_roles") or "all",

@@ -53,6 +53,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from admm_dist.core.config_file import key
 from admm_dist.core.text import is_int
 from admm_dist.model.fused_lora import install_fused_forward
 from admm_dist.model.vectors import AdapterError, load_vector, save_vector
@@ -70,11 +71,12 @@ ADAPTER_NAME = "default"
 class AdapterConfig:
     """How the B-only LoRA adapter is built (DESIGN.md section 2)."""
 
-    lora_rank: int = 16
-    lora_alpha: float = 16.0
-    lora_layers_last: int = 36
-    lora_targets: str = "attn_mlp"
-    lora_basis_seed: int = 42
+    lora_rank: int = key(16, "LoRA rank r")
+    lora_alpha: float = key(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) B A")
+    lora_layers_last: int = key(36, "LoRA goes on the last this many decoder layers")
+    lora_targets: str = key("attn_mlp", "projections that get LoRA: attn_qv (q, v), attn_all (q, k, v, o), "
+                            "attn_mlp (those and gate, up, down)", choices=LORA_TARGETS)
+    lora_basis_seed: int = key(42, "seed of the frozen random basis A (the same on every rank)")
 
     def __post_init__(self) -> None:
         if not is_int(self.lora_rank) or self.lora_rank < 1:

@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from admm_dist.core import progress
+from admm_dist.core.config_file import key
 from admm_dist.core.errors import UserError
 from admm_dist.model.batches import Batch, Encoded, collate
 from admm_dist.model.batches import batches as batch_iter
@@ -71,12 +72,15 @@ KL_REFS = ("frozen", "collect")   # kl_ref: the KL reference is the bare backbon
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ObjectiveConfig:
-    fit_mode: str = "dpo"            # dpo | sft | rsft
-    dpo_beta: float = 0.1
-    kl_beta: float = 0.1
-    target_span: str = "full"        # full | visible (only tokens after the last </think>)
-    max_prompt_tokens: int = 8192    # prompt truncated from the LEFT
-    max_target_tokens: int = 4096    # target truncated on the RIGHT
+    fit_mode: str = key("dpo", "each node's objective: dpo (preference pairs, successful over failed message), "
+                        "sft (every collected message), rsft (messages of successful rollouts only)",
+                        choices=FIT_MODES)
+    dpo_beta: float = key(0.1, "DPO temperature beta (> 0)")
+    kl_beta: float = key(0.1, "weight of the per-token KL to the reference policy (0: no KL term)")
+    target_span: str = key("full", "tokens fitted: full (the whole message, <think> block included) or "
+                           "visible (only the text after the last </think>)", choices=TARGET_SPANS)
+    max_prompt_tokens: int = key(8192, "a longer prompt is truncated from the left")
+    max_target_tokens: int = key(4096, "a longer target is truncated on the right")
 
     def __post_init__(self) -> None:
         if self.fit_mode not in FIT_MODES:

@@ -1,13 +1,13 @@
 """The training run's configuration: one flat dataclass keyed by the seed's flag names.
 
 The flat keys stay the seed's; the components own their fields. A key that belongs to a
-component (:class:`~admm_dist.engine.admm.ADMMConfig`, :class:`~admm_dist.model.adapter.AdapterConfig`,
-:class:`~admm_dist.model.objectives.ObjectiveConfig`, :class:`~admm_dist.mas.chain.ChainConfig`,
-:class:`~admm_dist.mas.collection.Collector`) takes its default from that component
-(:func:`~admm_dist.core.config_file.default_of`), its choices from the component's list, and
-its check from the component's ``__post_init__``, which :meth:`TrainConfig.__post_init__`
-runs; :meth:`TrainConfig.admm_config` and its siblings are the one place the flat keys map
-onto the components. The keys below are the run's own.
+component (``ADMMConfig``, ``AdapterConfig``, ``ObjectiveConfig``, ``ChainConfig``,
+``TrackingConfig``, ``Collector``) is made by :func:`~admm_dist.core.config_file.from_component`:
+its default, its one-line help and its choices are the component's field's, and its check is the
+component's ``__post_init__``, which :meth:`TrainConfig.__post_init__` runs;
+:meth:`TrainConfig.admm_config` and its siblings are the one place the flat keys map onto the
+components. The run's own keys are made by :func:`~admm_dist.core.config_file.key`, with their
+help and choices at the field; ``--help`` is rendered from that metadata, by :data:`GROUPS`.
 
 Defaults are the paper's safety settings (Table A2): rho 0.03, 16 local Adam
 steps, lr 1e-3, clip 0.01, batch 8, beta_DPO = beta_KL = 0.1, rank-16 LoRA on
@@ -24,7 +24,8 @@ import math
 import os
 from typing import Any, Dict, Optional
 
-from admm_dist.core.config_file import default_of
+from admm_dist import tasks
+from admm_dist.core.config_file import format_help, from_component, key
 from admm_dist.core.constants import DEFAULT_TIMEOUT_S
 from admm_dist.core.errors import UserError
 from admm_dist.data.derive import FIT_FILTERS
@@ -32,7 +33,7 @@ from admm_dist.data.fitset import PARTITION_MODES
 from admm_dist.engine.admm import ADMMConfig
 from admm_dist.engine.comm import COMM_BACKENDS, MODES, TOPOLOGIES
 from admm_dist.mas.chain import ChainConfig
-from admm_dist.mas.collection import CREDITS, REWARDS, Collector
+from admm_dist.mas.collection import LATER_KEYS, Collector
 from admm_dist.mas.prompts import prompt_modes, role_name
 from admm_dist.mas.seats import GENERATION_BACKENDS, ROLE_SETS, adapted_seats, parse_agent_models
 from admm_dist.model.adapter import AdapterConfig
@@ -48,121 +49,146 @@ NON_SEMANTIC = frozenset({
     "vllm_max_model_len", "vllm_kv_cache_gib", "vllm_gpu_memory_utilization",
     "report_to", "tracking_dir", "wandb_project", "wandb_mode",
 })
-# Keys added after checkpoints were first written, with the value that reproduces them: they
-# enter the fingerprint only when set otherwise, so an older run still resumes.
-LATER_KEYS = {"generation_backend": "hf"}
+# The later keys (mas/collection.py) a checkpoint's fingerprint leaves out at their old value:
+# prefix_samples entered the fingerprint together with the key (always), only fit-set keys later.
+FINGERPRINT_LATER = {k: v for k, v in LATER_KEYS.items() if k != "prefix_samples"}
 EMPTY_NODES = ("error", "prox")    # empty_nodes: refuse a node without examples, or give it f_i = 0
 RESUME_MODES = ("never", "auto")
-
-
-def _choice(name: str, value: str, choices) -> None:
-    if value not in choices:
-        raise UserError(f"{name}={value!r}: choose one of {', '.join(map(str, choices))}")
+# --help's groups, in order; every key names one
+SYSTEM, DATA, GEN, OBJ, ADAPTER = "system", "data and rollouts", "generation (vLLM)", "objective", "adapter"
+ADMM, HELD_OUT, OUT, TRACK = "ADMM", "held-out selection", "outputs and checkpoints", "tracking"
+GROUPS = (SYSTEM, DATA, GEN, OBJ, ADAPTER, ADMM, HELD_OUT, OUT, TRACK)
+BUILT = (ADMMConfig, AdapterConfig, ObjectiveConfig, ChainConfig, TrackingConfig)   # each checks its own
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    # system
-    task: str = "fitset"
-    model_name: str = "Qwen/Qwen3-8B"
-    device: str = "auto"
-    seed: int = 42
-    n_agents: int = default_of(ChainConfig, "n_agents")
-    adapt_roles: str = "all"
-    backend: str = "auto"           # COMM_BACKENDS: auto | process_group | local
-    timeout_s: float = DEFAULT_TIMEOUT_S   # bound on every collective
+    task: str = key("fitset", f"the task to collect on-policy from ({', '.join(sorted(tasks.REGISTRY))}); "
+                    "with a pre-built --fitset_cache only a label", group=SYSTEM)
+    model_name: str = key("Qwen/Qwen3-8B", "the backbone: a local folder or a hub id", group=SYSTEM)
+    device: str = key("auto", "auto (CUDA when present), cpu or cuda; under torchrun a rank takes "
+                      "cuda:LOCAL_RANK", group=SYSTEM)
+    seed: int = key(42, "the run's seed: query shuffle, rollouts, minibatches and the LoRA basis", group=SYSTEM)
+    n_agents: int = from_component(ChainConfig, "n_agents", group=SYSTEM)
+    adapt_roles: str = key("all", "seats that carry a trainable adapter: all, nonsink (all but the last), "
+                           "middle (neither the first nor the last)", choices=ROLE_SETS, group=SYSTEM)
+    backend: str = key("auto", "process_group (one node per torchrun rank), local (every node in this "
+                       "process), auto (the group when torchrun started one)", choices=COMM_BACKENDS, group=SYSTEM)
+    timeout_s: float = key(DEFAULT_TIMEOUT_S, "bound in seconds on every collective and wait", group=SYSTEM)
 
-    # the multi-agent system and on-policy collection (DESIGN.md section 5)
-    task_path: Optional[str] = None       # local JSON/JSONL/CSV for the task instead of the hub
-    prompt: str = default_of(ChainConfig, "prompt")
-    fit_prompt: Optional[str] = None      # fit every message under this (deployment) prompt
-    think: bool = default_of(ChainConfig, "think")
-    text_mas_context_length: Optional[int] = None
-    agent_models: Optional[str] = None    # "SEAT=PATH[,SEAT=PATH]": a seat on another backbone
-    anchors: int = 32
-    group: int = default_of(Collector, "group")
-    credit: str = default_of(Collector, "credit")
-    reward: str = default_of(Collector, "reward")
-    anchor_split: Optional[str] = None
-    anchor_offset: Optional[int] = None
-    anchor_pool: Optional[int] = None
-    anchor_pass_band: Optional[str] = None
-    recollect_every: int = 0
-    downstream_seed: int = default_of(Collector, "downstream_seed")
-    prefix_samples: int = default_of(Collector, "prefix_samples")   # per_role: branch from the first right of P prefix chains
-    max_new_tokens: int = default_of(ChainConfig, "max_new_tokens")
-    sink_tokens: Optional[int] = default_of(ChainConfig, "sink_tokens")
-    temperature: float = default_of(ChainConfig, "temperature")
-    top_p: float = default_of(ChainConfig, "top_p")
-    gen_batch_size: int = default_of(ChainConfig, "batch_size")   # rows per generate call (memory, not semantics)
-    gen_chunk: int = default_of(Collector, "chunk")   # queries per collection work unit
-    generation_backend: str = "hf"        # hf (transformers, bit-for-bit seeded) | vllm (docs/vllm.md)
-    vllm_max_model_len: int = 4096        # the engine's longest prompt + reply, in tokens
-    vllm_kv_cache_gib: float = 1.0        # CPU: the KV cache size (VLLM_CPU_KVCACHE_SPACE)
-    vllm_gpu_memory_utilization: float = 0.5   # GPU: the engine's share (the trainer holds the rest)
+    task_path: Optional[str] = key(None, "a local JSON/JSONL/CSV file of the task's rows instead of the hub",
+                                   metavar="PATH", group=DATA)
+    prompt: str = from_component(ChainConfig, "prompt", group=DATA)
+    fit_prompt: Optional[str] = key(None, "fit every message under this (deployment) prompt, keeping the "
+                                    "collected message as the target (none: the collection prompt)",
+                                    choices=prompt_modes(), group=DATA)
+    think: bool = from_component(ChainConfig, "think", group=DATA)
+    text_mas_context_length: Optional[int] = from_component(ChainConfig, "context_tokens", group=DATA)
+    agent_models: Optional[str] = key(None, "run these seats on another backbone (a compromised agent); such "
+                                      "a seat carries no adapter", metavar="SEAT=PATH[,SEAT=PATH]", group=DATA)
+    anchors: int = key(32, "number of training queries", group=DATA)
+    group: int = from_component(Collector, "group", group=DATA)
+    credit: str = from_component(Collector, "credit", group=DATA)
+    reward: str = from_component(Collector, "reward", group=DATA)
+    anchor_split: Optional[str] = key(None, "draw training queries from this split (e.g. train) instead of "
+                                      "the tail of the evaluation split", metavar="SPLIT", group=DATA)
+    anchor_offset: Optional[int] = key(None, "take training queries from rows [K, K + anchors) of the "
+                                       "shuffled pool instead of its tail", metavar="K", group=DATA)
+    anchor_pool: Optional[int] = key(None, "pre-screen: sample each of the last M candidate queries twice "
+                                     "and drop those answered right both times", metavar="M", group=DATA)
+    anchor_pass_band: Optional[str] = key(None, "keep only queries whose pass rate lies strictly inside "
+                                          "(LO, HI); 0,1 keeps queries with mixed outcomes",
+                                          metavar="LO,HI", group=DATA)
+    recollect_every: int = key(0, "collect again on fresh queries with the current consensus adapter every "
+                               "N rounds (0: collect once)", group=DATA)
+    downstream_seed: int = from_component(Collector, "downstream_seed", group=DATA)
+    prefix_samples: int = from_component(Collector, "prefix_samples", group=DATA)
+    max_new_tokens: int = from_component(ChainConfig, "max_new_tokens", group=DATA)
+    sink_tokens: Optional[int] = from_component(ChainConfig, "sink_tokens", group=DATA)
+    temperature: float = from_component(ChainConfig, "temperature", group=DATA)
+    top_p: float = from_component(ChainConfig, "top_p", group=DATA)
+    gen_batch_size: int = from_component(ChainConfig, "batch_size", group=DATA)
+    gen_chunk: int = from_component(Collector, "chunk", group=DATA)
+    generation_backend: str = key("hf", "hf (transformers generate, seeded per row, bit for bit) or vllm "
+                                  "(a vLLM engine per rank; docs/vllm.md)", choices=GENERATION_BACKENDS, group=GEN)
+    vllm_max_model_len: int = key(4096, "the engine's longest prompt plus reply, in tokens", group=GEN)
+    vllm_kv_cache_gib: float = key(1.0, "CPU: the KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)", group=GEN)
+    vllm_gpu_memory_utilization: float = key(0.5, "GPU: the engine's share of GPU memory, in (0, 1); the "
+                                             "trainer holds the rest", group=GEN)
 
-    # data
-    fitset_cache: Optional[str] = None
-    fit_filter: str = "drop_unclosed_think"
-    dedup_targets: int = 3
-    dev_frac: float = 0.0
-    dev_every: int = 1
-    partition: str = "seat"
-    empty_nodes: str = "error"      # error | prox: a node without examples has f_i = 0
-    n_partitions: int = 0
-    pooled: bool = False
-    dry_run: bool = False
-    init_state: Optional[str] = None
+    fitset_cache: Optional[str] = key(None, "the fit set: read from this file if it exists, else collected "
+                                      "on-policy and saved there", metavar="PATH", group=DATA)
+    fit_filter: str = key("drop_unclosed_think", "what is dropped before training: none, or messages whose "
+                          "<think> block never closed", choices=FIT_FILTERS, group=OBJ)
+    dedup_targets: int = key(3, "at most this many examples of a node may share one target text (0: off)",
+                             group=OBJ)
+    dev_frac: float = key(0.0, "hold out this fraction of each node's examples to track held-out NLL and "
+                          "write <out>-best.safetensors (0: train on all)", group=HELD_OUT)
+    dev_every: int = key(1, "measure the held-out NLL every N rounds (and after the last)", group=HELD_OUT)
+    partition: str = key("seat", "seat: one node per adapted seat (the paper's setting); anchor: pool the "
+                         "examples and split them over nodes by query", choices=PARTITION_MODES, group=ADMM)
+    empty_nodes: str = key("error", "a node without examples: error (refuse the run) or prox (its f_i = 0: "
+                           "it only follows the consensus)", choices=EMPTY_NODES, group=ADMM)
+    n_partitions: int = key(0, "partition anchor: the number of nodes (0: one per adapted seat)", group=ADMM)
+    pooled: bool = key(False, "the centralized arm: every example on one node", group=ADMM)
+    dry_run: bool = key(False, "build the fit sets and stop before any gradient step", group=DATA)
+    init_state: Optional[str] = key(None, "warm start: x^0 = z^0 = this saved adapter vector "
+                                    "(an <out>-last.safetensors)", metavar="FILE", group=DATA)
 
-    # objective
-    fit_mode: str = default_of(ObjectiveConfig, "fit_mode")
-    dpo_beta: float = default_of(ObjectiveConfig, "dpo_beta")
-    kl_beta: float = default_of(ObjectiveConfig, "kl_beta")
-    kl_ref: str = "frozen"
-    no_role_balance: bool = False
-    target_span: str = default_of(ObjectiveConfig, "target_span")
-    max_target_tokens: int = default_of(ObjectiveConfig, "max_target_tokens")
-    max_prompt_tokens: int = default_of(ObjectiveConfig, "max_prompt_tokens")
-    no_grad_checkpointing: bool = False
+    fit_mode: str = from_component(ObjectiveConfig, "fit_mode", group=OBJ)
+    dpo_beta: float = from_component(ObjectiveConfig, "dpo_beta", group=OBJ)
+    kl_beta: float = from_component(ObjectiveConfig, "kl_beta", group=OBJ)
+    kl_ref: str = key("frozen", "the KL reference: frozen (the backbone, adapters off) or collect (the "
+                      "collection policy: the --init_state adapter, else as frozen)", choices=KL_REFS, group=OBJ)
+    no_role_balance: bool = key(False, "sample minibatches uniformly instead of balanced over a node's roles",
+                                group=OBJ)
+    target_span: str = from_component(ObjectiveConfig, "target_span", group=OBJ)
+    max_target_tokens: int = from_component(ObjectiveConfig, "max_target_tokens", group=OBJ)
+    max_prompt_tokens: int = from_component(ObjectiveConfig, "max_prompt_tokens", group=OBJ)
+    no_grad_checkpointing: bool = key(False, "keep activations instead of recomputing them (faster, more "
+                                      "memory)", group=OBJ)
 
-    # adapter
-    lora_rank: int = default_of(AdapterConfig, "lora_rank")
-    lora_alpha: float = default_of(AdapterConfig, "lora_alpha")
-    lora_layers_last: int = default_of(AdapterConfig, "lora_layers_last")
-    lora_targets: str = default_of(AdapterConfig, "lora_targets")
-    lora_basis_seed: Optional[int] = None
+    lora_rank: int = from_component(AdapterConfig, "lora_rank", group=ADAPTER)
+    lora_alpha: float = from_component(AdapterConfig, "lora_alpha", group=ADAPTER)
+    lora_layers_last: int = from_component(AdapterConfig, "lora_layers_last", group=ADAPTER)
+    lora_targets: str = from_component(AdapterConfig, "lora_targets", group=ADAPTER)
+    lora_basis_seed: Optional[int] = key(None, "seed of the frozen random basis A, the same on every rank "
+                                         "(none: --seed)", group=ADAPTER)
 
-    # ADMM
-    k_outer: int = 20
-    local_steps: int = 16
-    batch_size: int = 8
-    eta: float = 1e-3
-    rho: float = default_of(ADMMConfig, "rho")
-    grad_clip: float = 0.01
-    consensus: str = "ring"
-    topology: str = "ring"
-    gossip_steps: int = 1
-    local_only: bool = default_of(ADMMConfig, "local_only")
-    no_dual: bool = default_of(ADMMConfig, "no_dual")
-    rho_adapt: bool = default_of(ADMMConfig, "rho_adapt")   # residual balancing (Boyd et al. 2011, 3.4.1); duals rescaled
-    rho_mu: float = default_of(ADMMConfig, "rho_mu")
-    rho_tau: float = default_of(ADMMConfig, "rho_tau")
+    k_outer: int = key(20, "ADMM rounds T", group=ADMM)
+    local_steps: int = key(16, "local Adam steps L per x-step", group=ADMM)
+    batch_size: int = key(8, "examples per local Adam step", group=ADMM)
+    eta: float = key(1e-3, "Adam learning rate", group=ADMM)
+    rho: float = from_component(ADMMConfig, "rho", group=ADMM)
+    grad_clip: float = key(0.01, "clip each local step's gradient to this norm", group=ADMM)
+    consensus: str = key("ring", "how the z-step averages: coordinator (one all_reduce), ring (ring "
+                         "all-reduce on send/recv), gossip (neighbour mixing on --topology; inexact)",
+                         choices=MODES, group=ADMM)
+    topology: str = key("ring", "the gossip graph; grid is rows x cols, so a prime node count > 3 is "
+                        "refused; chain is a path", choices=TOPOLOGIES, group=ADMM)
+    gossip_steps: int = key(1, "gossip mixing steps tau per z-step", group=ADMM)
+    local_only: bool = from_component(ADMMConfig, "local_only", group=ADMM)
+    no_dual: bool = from_component(ADMMConfig, "no_dual", group=ADMM)
+    rho_adapt: bool = from_component(ADMMConfig, "rho_adapt", group=ADMM)
+    rho_mu: float = from_component(ADMMConfig, "rho_mu", group=ADMM)
+    rho_tau: float = from_component(ADMMConfig, "rho_tau", group=ADMM)
 
-    # outputs and fault tolerance
-    out: str = "runs/admm"
-    report_dir: str = "results"
-    quiet: bool = False
-    checkpoint_every: int = 1
-    keep_checkpoints: int = 3
-    resume: str = "never"           # never | auto
-    overwrite: bool = False         # a fresh run may replace the run already in `out`
-    max_delta_w_rel: float = 10.0   # a result with ||dW||/||W|| above this diverged: refused
-    export_peft: bool = False
-    # experiment tracking (training/tracking.py): rank 0 logs every round's figures
-    report_to: str = default_of(TrackingConfig, "report_to")         # none | tensorboard | wandb | a,b
-    tracking_dir: Optional[str] = default_of(TrackingConfig, "tracking_dir")   # <report_dir>/tracking/<name>
-    wandb_project: str = default_of(TrackingConfig, "wandb_project")
-    wandb_mode: str = default_of(TrackingConfig, "wandb_mode")         # offline | online
+    out: str = key("runs/admm", "the run's name: it writes <out>/, <out>-last.safetensors and <out>.ckpt/",
+                   metavar="PATH", group=OUT)
+    report_dir: str = key("results", "folder of the training report <name>-train.json", metavar="DIR", group=OUT)
+    quiet: bool = key(False, "no progress bars and no per-round lines", group=OUT)
+    checkpoint_every: int = key(1, "write a checkpoint every N rounds", group=OUT)
+    keep_checkpoints: int = key(3, "keep this run's last N checkpoints", group=OUT)
+    resume: str = key("never", "never (a fresh run) or auto (continue from the last round every rank "
+                      "completed)", choices=RESUME_MODES, group=OUT)
+    overwrite: bool = key(False, "a fresh run may replace the run already in --out", group=OUT)
+    max_delta_w_rel: float = key(10.0, "a result whose ||dW|| / ||W|| is above this diverged and is refused",
+                                 group=OUT)
+    export_peft: bool = key(False, "also write <out>-last-peft/, a standard PEFT adapter folder", group=OUT)
+    report_to: str = from_component(TrackingConfig, "report_to", group=TRACK)
+    tracking_dir: Optional[str] = from_component(TrackingConfig, "tracking_dir", group=TRACK)
+    wandb_project: str = from_component(TrackingConfig, "wandb_project", group=TRACK)
+    wandb_mode: str = from_component(TrackingConfig, "wandb_mode", group=TRACK)
 
     def __post_init__(self) -> None:
         # the components check their own fields (and say how to fix them)
@@ -171,17 +197,12 @@ class TrainConfig:
         self.objective_config()
         self.chain_config()
         self.tracking_config()
-        # the run's own choices
-        _choice("adapt_roles", self.adapt_roles, ROLE_SETS)
-        _choice("backend", self.backend, COMM_BACKENDS)
-        _choice("fit_filter", self.fit_filter, FIT_FILTERS)
-        _choice("partition", self.partition, PARTITION_MODES)
-        _choice("empty_nodes", self.empty_nodes, EMPTY_NODES)
-        _choice("kl_ref", self.kl_ref, KL_REFS)
-        _choice("consensus", self.consensus, MODES)
-        _choice("topology", self.topology, TOPOLOGIES)
-        _choice("resume", self.resume, RESUME_MODES)
-        _choice("generation_backend", self.generation_backend, GENERATION_BACKENDS)
+        # the run's own choices (and the collector's), from each key's choice list
+        for f in dataclasses.fields(self):
+            value, choices = getattr(self, f.name), f.metadata["choices"]
+            if choices and value is not None and f.metadata.get("component") not in BUILT \
+                    and value not in choices:
+                raise UserError(f"{f.name}={value!r}: choose one of {', '.join(map(str, choices))}")
         if self.vllm_max_model_len < 16:
             raise UserError(f"vllm_max_model_len={self.vllm_max_model_len}: give the longest prompt + reply "
                             "in tokens (e.g. 4096)")
@@ -190,10 +211,6 @@ class TrainConfig:
         if not 0 < self.vllm_gpu_memory_utilization < 1:
             raise UserError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}: give the "
                             "engine's share of GPU memory in (0, 1), e.g. 0.5")
-        if self.fit_prompt is not None:
-            _choice("fit_prompt", self.fit_prompt, prompt_modes())
-        _choice("credit", self.credit, CREDITS)
-        _choice("reward", self.reward, REWARDS)
         for name in ("anchors", "group", "gen_chunk", "prefix_samples"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)}: it must be >= 1")
@@ -308,5 +325,10 @@ class TrainConfig:
     def fingerprint(self) -> str:
         """Hash of every setting that changes what is computed (for checkpoints)."""
         d = {k: v for k, v in self.as_dict().items()
-             if k not in NON_SEMANTIC and LATER_KEYS.get(k, object()) != v}
+             if k not in NON_SEMANTIC and FINGERPRINT_LATER.get(k, object()) != v}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def help_text() -> str:
+    """Every key by group: its meaning, choices and default (the training command's ``--help``)."""
+    return format_help(TrainConfig, GROUPS)

@@ -34,6 +34,7 @@ import math
 import os
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
+from admm_dist.core.config_file import key
 from admm_dist.core.errors import UserError
 
 if TYPE_CHECKING:
@@ -47,10 +48,12 @@ EVENTS_GLOB = "events.out.tfevents.*"      # TensorBoard's event files
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrackingConfig:
-    report_to: str = "none"             # none | tensorboard | wandb, or several: tensorboard,wandb
-    tracking_dir: Optional[str] = None  # default <report_dir>/tracking/<name>
-    wandb_project: str = "admm_dist"
-    wandb_mode: str = "offline"         # offline (sync later with `wandb sync`) | online
+    report_to: str = key("none", "where rank 0 logs every round's figures; join several with commas "
+                         "(tensorboard,wandb)", choices=TRACKERS)
+    tracking_dir: Optional[str] = key(None, "the trackers' folder (none: <report_dir>/tracking/<run name>)",
+                                      metavar="DIR")
+    wandb_project: str = key("admm_dist", "the Weights & Biases project")
+    wandb_mode: str = key("offline", "offline (sync later with wandb sync) or online", choices=WANDB_MODES)
 
     def __post_init__(self) -> None:
         names = self.trackers
