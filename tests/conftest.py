@@ -26,6 +26,20 @@ def train_local(cfg):
         return Trainer(cfg, ctx).train()
 
 
+def cli_rank(argv):
+    """One rank of ``torchrun -m admm_dist.train ARGV`` (to run under
+    :func:`admm_dist.engine.launcher.launch_cpu` with ``setup=False``, which is torchrun's agent
+    without an interpreter start-up per rank): exits with the command's exit code, else returns
+    the elastic attempt it finished in."""
+    import sys
+
+    from admm_dist.cli import train
+    rc = train.main(argv)
+    if rc:
+        sys.exit(rc)
+    return int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -4,6 +4,7 @@ Run (vLLM needs its own environment on CPU, docs/vllm.md)::
 
     .venv-vllm/bin/python -m admm_dist.bench.collect [--models standin,smollm2] [--backends hf,vllm]
         [--queries 32] [--samples 4] [--repeats 2] [--threads 2] [--json PATH] [--quick]
+        [--shape tiny|qwen3-0.6b|qwen3-8b [--backbone DIR] [--max-new-tokens 32]] [--device auto]
 
 What one *collection* is, the same for both backends: ``queries`` training rows of the
 model's task, ``samples`` chains each, through every seat of a 4-seat ``sequential_v2``
@@ -12,8 +13,13 @@ running with its own LoRA state: a fixed random B vector per seat (seeded, rank 
 attention projections of the last 2 layers), so that the engine serves four adapters and the
 HF side switches four. Models: ``standin`` (assets/standin, ``chain_arith``, 16 new tokens per
 message) and ``smollm2`` (assets/smollm2 built by ``python -m admm_dist.cli.pretrained smollm2``,
-``word_arith``, 32 new tokens per message); ``qwen3_8b`` (a random-weight model of Qwen3-8B's
-shape, bf16) only on a GPU.
+``word_arith``, 32 new tokens per message). ``--shape NAME`` runs instead on a random-weight
+model of that shape (:mod:`admm_dist.bench.shapes`, with its padded character tokenizer:
+bf16 on a GPU), saved to ``--backbone DIR`` (reused when DIR already holds a model) or to a
+temporary folder removed afterwards, on ``chain_arith`` with ``--max-new-tokens`` (default 32)
+per message: a random model rarely samples the end-of-turn token, so every message is about
+that long and the figure is a pure throughput. ``--device`` is ``auto`` (CUDA when present),
+``cpu`` or ``cuda``.
 
 Rows: per model and backend, ``start_s`` (loading the model; for vLLM the engine start),
 then one untimed warm-up collection (vLLM loads the four adapters there), then ``repeats``
@@ -32,16 +38,19 @@ and the command line; the load accounting is in :mod:`admm_dist.bench.common`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from admm_dist.bench.common import CpuWindow, hush_future_warnings, load_footer, loadavg, write_json
+from admm_dist.bench.shapes import DEVICES, SHAPES, resolve_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -135,14 +144,26 @@ def _one(model: Model, backend: str, sz: Sizes, device: torch.device, log) -> Di
             "chains": sz.queries * sz.samples, "messages": sz.queries * sz.samples * sz.n_agents}
 
 
-def run(models: Sequence[str], backends: Sequence[str], sz: Sizes, log=print) -> Dict[str, object]:
+def shape_model(shape: str, folder: str, device, max_new_tokens: int = 32, log=print) -> Model:
+    """A random backbone of ``shape`` in ``folder`` (built there unless it holds a model already)."""
+    from admm_dist.bench import shapes
+
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        log(f"# building a random {shape} backbone in {folder} ...")
+        shapes.save(shapes.get(shape), folder, device)
+    return Model(shape, folder, "chain_arith", max_new_tokens)
+
+
+def run(models: Sequence, backends: Sequence[str], sz: Sizes, log=print, device=None) -> Dict[str, object]:
+    """Every (model, backend) row; ``models`` are names of :data:`MODELS` or :class:`Model` s."""
     torch.set_num_threads(sz.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device is None else device
     load_before = loadavg()
     window = CpuWindow.start()
     rows: List[Dict[str, object]] = []
     for name in models:
-        model = MODELS[name]
+        model = name if isinstance(name, Model) else MODELS[name]
+        name = model.name
         if not os.path.isfile(os.path.join(model.folder, "config.json")):
             log(f"# skipping {name}: {model.folder} does not exist (python -m admm_dist.cli.pretrained {name})")
             continue
@@ -169,12 +190,12 @@ def _version(dist: str) -> Optional[str]:
 
 
 def format_table(r: Dict[str, object]) -> str:
-    head = (f"{'model':<9} {'backend':<7} {'start s':>8} {'collect s':>10} {'tokens':>7} {'tok/s':>8} "
+    head = (f"{'model':<11} {'backend':<7} {'start s':>8} {'collect s':>10} {'tokens':>7} {'tok/s':>8} "
             f"{'pass':>6} {'vllm/hf':>8}")
     lines = [head, "-" * len(head)]
     for x in r["rows"]:
         ratio = "" if x["vllm_over_hf"] is None else f"{x['vllm_over_hf']:.2f}"
-        lines.append(f"{x['model']:<9} {x['backend']:<7} {x['start_s']:>8.1f} {x['collect_s']:>10.2f} "
+        lines.append(f"{x['model']:<11} {x['backend']:<7} {x['start_s']:>8.1f} {x['collect_s']:>10.2f} "
                      f"{int(statistics.median(x['tokens'])):>7} {x['tok_per_s']:>8.1f} {x['pass_rate']:>6.3f} "
                      f"{ratio:>8}")
     return "\n".join(lines)
@@ -190,10 +211,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
     ap.add_argument("--json", metavar="PATH", help="write the results here (a JSON dict), atomically")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny sizes")
+    ap.add_argument("--shape", choices=list(SHAPES), help="run on a random backbone of this shape instead of --models")
+    ap.add_argument("--backbone", metavar="DIR", help="with --shape: the backbone's folder (built when empty)")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="with --shape: tokens per message (default 32)")
+    ap.add_argument("--device", default="auto", choices=DEVICES, help="auto (CUDA when present; default), cpu, cuda")
     a = ap.parse_args(argv)
-    models = [m for m in a.models.split(",") if m]
+    models = [m for m in a.models.split(",") if m] if a.shape is None else []
     backends = [b for b in a.backends.split(",") if b]
     bad = [m for m in models if m not in MODELS] + [b for b in backends if b not in ("hf", "vllm")]
+    if a.backbone and not a.shape:
+        ap.error("--backbone goes with --shape")
+    if a.max_new_tokens < 1:
+        ap.error("--max-new-tokens must be >= 1")
     if bad:
         ap.error(f"unknown {bad}: models are {', '.join(MODELS)}; backends are hf, vllm")
     sz = QUICK if a.quick else Sizes()
@@ -207,11 +236,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if importlib.util.find_spec("vllm") is None:
             ap.error("backend vllm needs vLLM in this environment: see docs/vllm.md (.venv-vllm on CPU), "
                      "or pass --backends hf")
+    try:
+        device = resolve_device(a.device)
+    except ValueError as e:
+        ap.error(str(e))
     hush_future_warnings()
+    log = lambda *x: print(*x, flush=True)  # noqa: E731
     print(f"# collection benchmark: {sz.queries} queries x {sz.samples} chains x {sz.n_agents} seats, one LoRA "
-          f"state per seat (rank {sz.lora_rank}), {sz.threads} torch threads; torch {torch.__version__}",
-          flush=True)
-    r = run(models, backends, sz, log=lambda *x: print(*x, flush=True))
+          f"state per seat (rank {sz.lora_rank}), {sz.threads} torch threads on {device.type}; "
+          f"torch {torch.__version__}", flush=True)
+    with contextlib.ExitStack() as stack:
+        if a.shape:
+            folder = a.backbone or stack.enter_context(tempfile.TemporaryDirectory(prefix="admm-bench-collect-"))
+            models = [shape_model(a.shape, folder, device, a.max_new_tokens, log)]
+        r = run(models, backends, sz, log=log, device=device)
     print(format_table(r))
     print(load_footer(r, missing="?"))
     if a.json:

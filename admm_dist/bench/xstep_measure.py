@@ -1,11 +1,13 @@
 """The measured parts of the x-step benchmark (``python -m admm_dist.bench.xstep``).
 
-It owns the benchmark's set-up (:class:`Sizes`, the WordLevel tokenizer, the tiny Qwen3, the
-random DPO pairs, the :class:`~admm_dist.training.config.TrainConfig` and the Trainer whose
-data and backbone are replaced) and the timed parts: :func:`bench_ours` (``Trainer.xstep``),
-:func:`bench_trl` (TRL's DPOTrainer, with or without precomputed reference log-probs) and
-:func:`bench_overhead` (the round overhead on gloo CPU ranks). What each part times is in
-:mod:`admm_dist.bench.xstep`'s docstring, which also assembles, prints and writes them.
+It owns the benchmark's set-up (:class:`Sizes` and :func:`sizes_for` a shape of
+:mod:`admm_dist.bench.shapes`, the WordLevel tokenizer, the random Qwen3, the random DPO
+pairs, the :class:`~admm_dist.training.config.TrainConfig` and the Trainer whose data and
+backbone are replaced) and the timed parts: the rows :func:`ours_row` (``Trainer.xstep``) and
+:func:`trl_row` (TRL's DPOTrainer, with or without precomputed reference log-probs), which
+:func:`admm_dist.bench.interleave.rotate` steps in rotation, and :func:`bench_overhead` (the
+round overhead on gloo CPU ranks). What each part times is in :mod:`admm_dist.bench.xstep`'s
+docstring, which also assembles, prints and writes them.
 """
 from __future__ import annotations
 
@@ -16,11 +18,12 @@ import random
 import statistics
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from admm_dist.bench.common import hush_future_warnings
+from admm_dist.bench.interleave import Baton
 
 PAD, UNK, EOS = "<|pad|>", "<|endoftext|>", "<|im_end|>"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -36,10 +39,17 @@ TIMEOUT_S = 900.0
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
+    shape: str = "tiny"          # a name of admm_dist.bench.shapes (the model dims below are its)
     vocab: int = 4096
     hidden: int = 256
     layers: int = 4
     heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 64
+    intermediate: int = 1024
+    tie: bool = True
+    rope_theta: float = 10000.0
+    max_positions: int = 2048
     batch: int = 8
     prompt_tokens: int = 64
     target_tokens: int = 64      # per completion, the EOS token included
@@ -51,8 +61,26 @@ class Sizes:
     rounds: int = 6              # the first one is a warm-up
 
 
-QUICK = Sizes(vocab=512, hidden=64, layers=2, heads=2, batch=2, prompt_tokens=8, target_tokens=8,
-              rank=4, steps=3, warmup=1, local_steps=2, rounds=3)
+# A real shape: a batch of realistic length, fewer steps (each one is seconds on a GPU).
+REAL_SHAPE_SIZES = dict(batch=4, prompt_tokens=512, target_tokens=256, steps=6, warmup=2)
+# The micro shape (--quick): a smoke test, every count small.
+QUICK_SIZES = dict(batch=2, prompt_tokens=8, target_tokens=8, rank=4, steps=3, warmup=1, local_steps=2, rounds=3)
+
+
+def sizes_for(shape_name: str) -> Sizes:
+    """The benchmark's sizes on a shape of :mod:`admm_dist.bench.shapes`: ``tiny`` is the CPU
+    default above, ``micro`` the smoke test (:data:`QUICK_SIZES`); a Qwen3 shape keeps its dims
+    and takes :data:`REAL_SHAPE_SIZES`."""
+    from admm_dist.bench import shapes
+
+    shape = shapes.get(shape_name)
+    dims = {k: getattr(shape, k) for k in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim",
+                                           "intermediate", "tie", "rope_theta", "max_positions")}
+    extra = {"tiny": {}, "micro": QUICK_SIZES}.get(shape_name, REAL_SHAPE_SIZES)
+    return dataclasses.replace(Sizes(), shape=shape_name, **dims, **extra)
+
+
+QUICK = sizes_for("micro")
 
 
 # ----------------------------------------------------------------------------- model and data
@@ -73,10 +101,16 @@ def build_tokenizer(vocab: int):
                                    eos_token=EOS, bos_token=None, padding_side="right")
 
 
-def build_model(sz: Sizes, tok):
-    from admm_dist.testing.tiny import tiny_qwen3
+def build_model(sz: Sizes, tok, device="cpu"):
+    """A random-weight Qwen3 of ``sz``'s dims on ``device`` (bf16 on CUDA, fp32 on CPU), seed 0."""
+    from admm_dist.bench.shapes import dtype_for
+    from admm_dist.testing.tiny import random_qwen3
 
-    model = tiny_qwen3(sz.vocab, hidden=sz.hidden, layers=sz.layers, heads=sz.heads, seed=0)
+    model = random_qwen3(sz.vocab, hidden=sz.hidden, layers=sz.layers, heads=sz.heads,
+                         kv_heads=sz.kv_heads, head_dim=sz.head_dim, intermediate=sz.intermediate,
+                         tie=sz.tie, rope_theta=sz.rope_theta, max_positions=sz.max_positions, seed=0,
+                         device=device,
+                         dtype=dtype_for(device))
     model.config.pad_token_id = tok.pad_token_id
     model.config.eos_token_id = tok.eos_token_id
     model.config.use_cache = False
@@ -107,16 +141,18 @@ def to_examples(pairs: Sequence[Dict[str, str]]):
                     rejected=p["rejected"]) for i, p in enumerate(pairs)]
 
 
-def train_config(sz: Sizes, n_nodes: int, local_steps: int):
+def train_config(sz: Sizes, n_nodes: int, local_steps: int, device="cpu"):
     from admm_dist.training.config import TrainConfig
 
+    cuda = torch.device(device).type == "cuda"
     return TrainConfig(
-        task="bench", model_name="tiny-random-qwen3", device="cpu", seed=0, n_agents=n_nodes,
+        task="bench", model_name="random-qwen3", device="cuda" if cuda else "cpu", seed=0, n_agents=n_nodes,
         backend="auto", timeout_s=TIMEOUT_S, fit_mode="dpo", dpo_beta=DPO_BETA, kl_beta=KL_BETA,
         lora_rank=sz.rank, lora_alpha=float(sz.rank), lora_layers_last=sz.layers,
         lora_targets="attn_mlp", local_steps=local_steps, batch_size=sz.batch, eta=LR, rho=RHO,
         grad_clip=GRAD_CLIP, consensus="ring", topology="ring", quiet=True,
-        no_grad_checkpointing=True,  # as TRL's gradient_checkpointing=False: no recomputation
+        # as TRL's gradient_checkpointing: on a GPU on (recomputation), on the CPU off
+        no_grad_checkpointing=not cuda,
         max_prompt_tokens=max(8192, sz.prompt_tokens), max_target_tokens=max(4096, sz.target_tokens))
 
 
@@ -144,50 +180,56 @@ def bench_trainer_class():
 
         def load_backbone(self):
             tok = build_tokenizer(self._sz.vocab)
-            return build_model(self._sz, tok), tok
+            return build_model(self._sz, tok, self.ctx.device), tok
 
     return BenchTrainer
 
 
-def single_ctx():
+def single_ctx(device="cpu"):
     from admm_dist.engine.dist import DistContext, DistEnv
 
-    return DistContext(env=DistEnv(), device=torch.device("cpu"), backend=None,
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    return DistContext(env=DistEnv(), device=device, backend=None,
                        timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
-def tail(times: Sequence[float], warmup: int) -> List[float]:
-    return list(times[warmup:])
+def sync(device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------- (a) ours
 
-def bench_ours(sz: Sizes, pairs: Sequence[Dict[str, str]]) -> Dict[str, Any]:
-    """Median seconds per local Adam step of ``Trainer.xstep`` (see the module docstring)."""
-    cfg = train_config(sz, 1, sz.warmup + sz.steps)
-    trainer = bench_trainer_class()(cfg, single_ctx(), sz, {0: to_examples(pairs)})
-    trainer.setup()
-    t0 = time.perf_counter()
-    trainer.build_nodes()
-    precompute = time.perf_counter() - t0
-    node = trainer.nodes[0]
-    stamps: List[float] = []
-    handle = trainer.state[node].optimizer.register_step_post_hook(
-        lambda *_: stamps.append(time.perf_counter()))
-    eng = trainer.engine
-    centre = eng.centre(0)
-    start = time.perf_counter()
-    f = trainer.xstep(node, eng.x[0], centre, eng.rho)
-    handle.remove()
-    if len(stamps) != cfg.local_steps:
-        raise RuntimeError(f"xstep made {len(stamps)} optimizer steps, expected {cfg.local_steps}"
-                           f" (f={f})")
-    steps = [b - a for a, b in zip([start] + stamps[:-1], stamps)]
-    timed = tail(steps, sz.warmup)
-    return {"ours_s": statistics.median(timed), "ours_step_times_s": timed,
-            "ours_warmup_times_s": steps[:sz.warmup], "ours_precompute_s": precompute,
-            "ours_mean_f": f, "numel_b": trainer.adapter.numel,
-            "threads": torch.get_num_threads()}
+def ours_row(sz: Sizes, pairs: Sequence[Dict[str, str]], device="cpu") -> Callable[[Baton], Dict[str, Any]]:
+    """The loop of ``Trainer.xstep`` as a row of :func:`admm_dist.bench.interleave.rotate`:
+    one xstep call of ``warmup + steps`` local steps, the turn handed back by an optimizer
+    step post-hook (see the module docstring of :mod:`admm_dist.bench.xstep`)."""
+    def fn(baton: Baton) -> Dict[str, Any]:
+        cfg = train_config(sz, 1, sz.warmup + sz.steps, device)
+        trainer = bench_trainer_class()(cfg, single_ctx(device), sz, {0: to_examples(pairs)})
+        trainer.setup()
+        sync(device)
+        t0 = time.perf_counter()
+        trainer.build_nodes()
+        sync(device)
+        precompute = time.perf_counter() - t0
+        node = trainer.nodes[0]
+        handle = trainer.state[node].optimizer.register_step_post_hook(lambda *_: baton.step_done())
+        eng = trainer.engine
+        centre = eng.centre(0)
+        baton.ready()
+        try:
+            f = trainer.xstep(node, eng.x[0], centre, eng.rho)
+        finally:
+            handle.remove()
+        return {"ours_precompute_s": precompute, "ours_mean_f": f, "numel_b": trainer.adapter.numel,
+                "threads": torch.get_num_threads(),
+                "gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False))}
+    return fn
 
 
 # ----------------------------------------------------------------------------- (b, c) TRL
@@ -200,25 +242,36 @@ def trl_version() -> Optional[str]:
     return str(getattr(trl, "__version__", "unknown"))
 
 
-def bench_trl(sz: Sizes, pairs: Sequence[Dict[str, str]], precompute: bool) -> Dict[str, Any]:
-    """Median seconds per step of TRL's DPOTrainer (see the module docstring)."""
+def trl_row(sz: Sizes, pairs: Sequence[Dict[str, str]], precompute: bool,
+            device="cpu") -> Callable[[Baton], Dict[str, Any]]:
+    """TRL's DPOTrainer as a row of :func:`admm_dist.bench.interleave.rotate`: ``train()``
+    hands the turn back at every ``on_step_end`` (see :mod:`admm_dist.bench.xstep`)."""
+    def fn(baton: Baton) -> Dict[str, Any]:
+        return _trl(sz, pairs, precompute, torch.device(device), baton)
+    return fn
+
+
+def _trl(sz: Sizes, pairs, precompute: bool, device, baton: Baton) -> Dict[str, Any]:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import PrinterCallback, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    stamps: Dict[str, Any] = {"begin": [], "end": [], "train_begin": None, "precompute_s": 0.0}
+    stamps: Dict[str, Any] = {"begin": [], "end": [], "precompute_s": 0.0}
+    cuda = device.type == "cuda"
 
     class Timer(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
-            stamps["train_begin"] = time.perf_counter()
             stamps["threads"] = torch.get_num_threads()
+            baton.ready()
 
         def on_step_begin(self, args, state, control, **kw):
             stamps["begin"].append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kw):
+            sync(device)
             stamps["end"].append(time.perf_counter())
+            baton.step_done()
 
     class TimedDPOTrainer(DPOTrainer):
         def _precompute_ref_logps(self, *a, **kw):
@@ -226,18 +279,20 @@ def bench_trl(sz: Sizes, pairs: Sequence[Dict[str, str]], precompute: bool) -> D
             try:
                 return super()._precompute_ref_logps(*a, **kw)
             finally:
+                sync(device)
                 stamps["precompute_s"] += time.perf_counter() - t
 
     tok = build_tokenizer(sz.vocab)
-    model = build_model(sz, tok)
+    model = build_model(sz, tok, device)
     data = Dataset.from_dict({k: [p[k] for p in pairs] for k in ("prompt", "chosen", "rejected")})
     n_steps = sz.warmup + sz.steps
     with tempfile.TemporaryDirectory(prefix="admm-bench-trl-") as out:
         args = DPOConfig(
             output_dir=out, per_device_train_batch_size=sz.batch, max_steps=n_steps,
             learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-            max_grad_norm=GRAD_CLIP, beta=DPO_BETA, bf16=False, fp16=False,
-            gradient_checkpointing=False, use_cpu=True, precompute_ref_log_probs=precompute,
+            max_grad_norm=GRAD_CLIP, beta=DPO_BETA, bf16=cuda, fp16=False,
+            gradient_checkpointing=cuda, gradient_checkpointing_kwargs={"use_reentrant": False},
+            use_cpu=not cuda, precompute_ref_log_probs=precompute,
             logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none",
             disable_tqdm=True, dataloader_num_workers=0, seed=0, max_length=None)
         peft_config = LoraConfig(r=sz.rank, lora_alpha=sz.rank, target_modules=list(PROJECTIONS),
@@ -257,17 +312,14 @@ def bench_trl(sz: Sizes, pairs: Sequence[Dict[str, str]], precompute: bool) -> D
         lengths = [len(row["prompt_ids"]), len(row["chosen_ids"]), len(row["rejected_ids"])]
         torch.set_num_threads(1)  # in case anything changed it
         trainer.train()
-    if len(stamps["end"]) != n_steps or stamps["train_begin"] is None:
+    if len(stamps["end"]) != n_steps:
         raise RuntimeError(f"TRL made {len(stamps['end'])} steps, expected {n_steps}")
-    ends = stamps["end"]
-    steps = [b - a for a, b in zip([stamps["train_begin"]] + ends[:-1], ends)]
-    inner = [e - b for b, e in zip(stamps["begin"], ends)]
-    timed, timed_inner = tail(steps, sz.warmup), tail(inner, sz.warmup)
-    return {"median_s": statistics.median(timed), "step_times_s": timed,
-            "warmup_times_s": steps[:sz.warmup], "inner_median_s": statistics.median(timed_inner),
-            "inner_step_times_s": timed_inner, "precompute_ref_s": stamps["precompute_s"],
-            "build_s": build_s, "lora_a_frozen": frozen, "trainable_params": trainable,
-            "token_lengths_prompt_chosen_rejected": lengths, "threads": stamps.get("threads")}
+    inner = [e - b for b, e in zip(stamps["begin"], stamps["end"])]
+    return {"inner_step_times_s": inner[sz.warmup:], "inner_median_s": statistics.median(inner[sz.warmup:]),
+            "precompute_ref_s": stamps["precompute_s"], "construct_s": build_s, "lora_a_frozen": frozen,
+            "trainable_params": trainable, "token_lengths_prompt_chosen_rejected": lengths,
+            "threads": stamps.get("threads"),
+            "gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False))}
 
 
 # ----------------------------------------------------------------------------- (d) overhead

@@ -6,29 +6,82 @@ MASTER_ADDR, MASTER_PORT), so :func:`admm_dist.engine.dist.distributed` is exerc
 exactly as in a real job. The rendezvous is ``c10d`` on ``localhost:0`` (a free
 port) and gloo is bound to loopback.
 
-``fn(ctx, *args)`` must be a module-level function (workers are spawned).
-A worker exception fails the whole launch; every collective is bounded by
-``timeout_s`` so that a deadlock fails instead of hanging.
+``fn(ctx, *args)`` must be a module-level function. A worker exception fails the whole
+launch; every collective is bounded by ``timeout_s`` so that a deadlock fails instead of
+hanging.
+
+Workers start from a fork server (:data:`PRELOAD`: torch, transformers and PEFT are imported
+once per calling process, not once per worker), which makes a launch about 2 s cheaper on a
+2-core machine. A forked worker is made to start as a spawned one would: the caller's current
+environment, working directory and ``sys.path`` are sent along with ``fn`` and set before it
+is unpickled (the launcher's own variables, RANK and the rest, stay the launcher's), and its
+stdout and stderr write where the caller's do now (reopened through ``/proc/<caller>/fd``). A function
+of ``__main__`` (a script's) is spawned instead, which the fork server cannot import.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
+import pickle
+import sys
 import uuid
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Mapping
 
 import torch
 
 from admm_dist.core.constants import DEFAULT_TIMEOUT_S
 from admm_dist.engine.dist import distributed
 
+# imported once in the fork server; a module that fails to import is skipped there
+PRELOAD = ("torch", "torch.distributed", "transformers", "peft", "admm_dist.training.trainer")
+# what the elastic launcher sets in a worker's environment (the rest is the caller's)
+_LAUNCHER_VARS = frozenset({
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"})
+
+
+def _caller_state(fn: Callable[..., Any], args: tuple) -> Dict[str, Any]:
+    return {"env": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path), "pid": os.getpid(),
+            "call": pickle.dumps((fn, args))}
+
+
+def _become_caller(state: Mapping[str, Any]) -> tuple:
+    """In a forked worker: the caller's environment (but the launcher's own variables), working
+    directory and import path; then ``(fn, args)``."""
+    mine = {k: v for k, v in os.environ.items() if k in _LAUNCHER_VARS or k.startswith("TORCHELASTIC_")}
+    os.environ.clear()
+    os.environ.update({**state["env"], **mine})
+    os.chdir(state["cwd"])
+    sys.path[:] = state["path"]
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        try:
+            target = os.open(f"/proc/{state['pid']}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:          # closed, or not ours to open: keep the fork server's
+            continue
+        stream.flush()
+        os.dup2(target, fd)
+        os.close(target)
+    return pickle.loads(state["call"])
+
 
 def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, setup: bool,
-            args: tuple) -> Any:
+            args: tuple, caller: Any = None) -> Any:
+    if caller is not None:
+        fn, args = _become_caller(caller)
     torch.set_num_threads(threads)
     if not setup:
         return fn(*args)
     with distributed("cpu", timeout_s=timeout_s) as ctx:
         return fn(ctx, *args)
+
+
+def _start_method(fn: Callable[..., Any]) -> str:
+    if getattr(fn, "__module__", "__main__") == "__main__":
+        return "spawn"
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))     # takes effect when the server first starts
+    return "forkserver"
 
 
 def launch_cpu(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -42,8 +95,11 @@ def launch_cpu(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    start_method = _start_method(fn)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"admm-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=max_restarts,
-        monitor_interval=0.05, start_method="spawn", rdzv_timeout=int(timeout_s) + 30)
-    return elastic_launch(config, _worker)(fn, timeout_s, threads, setup, args)
+        monitor_interval=0.05, start_method=start_method, rdzv_timeout=int(timeout_s) + 30)
+    if start_method == "spawn":
+        return elastic_launch(config, _worker)(fn, timeout_s, threads, setup, args)
+    return elastic_launch(config, _worker)(None, timeout_s, threads, setup, (), _caller_state(fn, args))

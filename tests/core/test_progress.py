@@ -81,18 +81,24 @@ def _train_cmd(assets, tmp_path, *extra):
 def test_training_shows_its_rounds_on_a_terminal_and_plain_lines_in_a_log(tiny_assets, tmp_path):
     assets = tiny_assets(N)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = on_terminal(_train_cmd(assets, tmp_path / "tty"), env=env)
+    log = tmp_path / "train.log"
+    with open(log, "wb") as f:        # the redirected run goes on beside the two on a terminal
+        to_file = subprocess.Popen(_train_cmd(assets, tmp_path / "file"), stdout=f, stderr=subprocess.STDOUT,
+                                   cwd=REPO, env=env)
+    try:
+        out = on_terminal(_train_cmd(assets, tmp_path / "tty"), env=env)
+        quiet = on_terminal(_train_cmd(assets, tmp_path / "quiet", "quiet=true"), env=env)
+        assert to_file.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        if to_file.poll() is None:
+            to_file.kill()
+            to_file.wait(timeout=30)
     assert "rounds: 100%" in out and "3/3" in out
     assert "reference log-probs" in out
     assert "round   3/3" in out       # the log lines still come, above the bar
 
-    log = tmp_path / "train.log"
-    with open(log, "wb") as f:
-        subprocess.run(_train_cmd(assets, tmp_path / "file"), stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                       env=env, check=True, timeout=240)
     text = log.read_text()
     assert "round   3/3" in text
     assert "\r" not in text and "%|" not in text and "rounds:" not in text
 
-    quiet = on_terminal(_train_cmd(assets, tmp_path / "quiet", "quiet=true"), env=env)
     assert "rounds:" not in quiet and "round   1/3" not in quiet

@@ -14,7 +14,7 @@ from admm_dist.testing import faults, standin
 from admm_dist.training.config import TrainConfig
 from admm_dist.training.trainer import Trainer
 
-from conftest import train_local
+from conftest import cli_rank, train_local
 
 
 def _cfg(tmp, **kw):
@@ -75,32 +75,30 @@ def test_collection_errors_are_one_line(tmp_path):
         _cfg(tmp_path, anchor_pass_band="0.5")
 
 
-def _torchrun(tmp, nproc, restarts=0, fault=None, **kw):
-    import subprocess
-    import sys
-
+def _launch_cli(tmp, nproc, monkeypatch, restarts=0, fault=None, **kw):
+    """``torchrun --nproc_per_node NPROC -m admm_dist.train`` with the settings of :func:`_cfg`:
+    torchrun's agent from the launcher (no interpreter start-up per rank)."""
     cfg = _cfg(tmp, **kw).as_dict()
     args = [f"{k}={v}" for k, v in cfg.items() if v is not None and k not in ("quiet",)]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    env.pop(faults.ENV, None)
+    monkeypatch.delenv(faults.ENV, raising=False)
     if fault:
-        env[faults.ENV] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "--max-restarts", str(restarts), "-m", "admm_dist.train"] + args
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+        monkeypatch.setenv(faults.ENV, fault)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    return launch_cpu(cli_rank, nproc, args, timeout_s=300, max_restarts=restarts, setup=False)
 
 
-@pytest.mark.slow   # about 85 s on 2 cores; the default suite's test_killed_rank_resumes_bit_for_bit covers resume
-def test_killed_rank_resumes_and_recollects_bit_for_bit(tmp_path):
+@pytest.mark.slow   # collection on 4 ranks; the default suite's test_killed_rank_resumes_bit_for_bit covers resume
+def test_killed_rank_resumes_and_recollects_bit_for_bit(tmp_path, monkeypatch, capfd):
     """A rank dies after round 2; the restart re-collects round 2's fresh queries from the
     checkpointed z (the same z gives the same rollouts) and ends with the same z."""
     kw = dict(k_outer=3, recollect_every=2, anchors=4, group=3)
-    clean = _torchrun(tmp_path / "clean", 4, **kw)
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    hurt = _torchrun(tmp_path / "hurt", 4, restarts=1, fault="2:1", resume="auto", **kw)
-    assert hurt.returncode == 0, hurt.stderr[-3000:]
-    assert "continuing after round 2" in hurt.stdout + hurt.stderr   # it did die and resume
-    assert (hurt.stdout + hurt.stderr).count("collection 1:") == 2    # before the kill and after
+    assert _launch_cli(tmp_path / "clean", 4, monkeypatch, **kw) == {r: 0 for r in range(4)}
+    capfd.readouterr()
+    hurt = _launch_cli(tmp_path / "hurt", 4, monkeypatch, restarts=1, fault="2:1", resume="auto", **kw)
+    assert hurt == {r: 1 for r in range(4)}                      # it did die and every rank restarted
+    text = "".join(capfd.readouterr())
+    assert "continuing after round 2" in text
+    assert text.count("collection 1:") == 2    # before the kill and after
     a = load_file(str(tmp_path / "clean" / "run-last.safetensors"))
     b = load_file(str(tmp_path / "hurt" / "run-last.safetensors"))
     assert torch.equal(a["b"], b["b"])
