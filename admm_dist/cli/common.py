@@ -7,6 +7,7 @@ Real bugs are not caught here: they stay tracebacks.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -27,8 +28,26 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, description=description and plain(description),
                          epilog=epilog and plain(epilog), **kwargs)
 
+    def print_help(self, file=None):
+        if file is None:
+            emit(self.format_help())
+        else:
+            super().print_help(file)
+
     def error(self, message: str):
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def emit(text: str) -> None:
+    """Write ``text`` (a help text) to stdout; a reader that stops early (``--help | head``) is
+    not an error."""
+    try:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:          # stdout to /dev/null, so that the exit's flush is quiet too
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def run_cli(prog: str, body: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser,

@@ -19,6 +19,7 @@ from typing import List, Optional, Sequence
 
 from torch.distributed import DistError
 
+from admm_dist.cli.common import emit
 from admm_dist.core import config_file
 from admm_dist.core.errors import EXIT_RUN_ERROR, EXIT_USER_ERROR, RunError, UserError
 from admm_dist.core.libraries import quiet_libraries
@@ -46,7 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run(argv: List[str], flag: PreemptionFlag) -> int:
     quiet_libraries()
     if any(a in ("-h", "--help") for a in argv):
-        print(HELP)
+        emit(HELP)
         return 0
     try:
         cfg = config_file.load(TrainConfig, argv)

@@ -168,3 +168,14 @@ def test_evaluate_with_a_fitset_config_and_task_given(tmp_path):
 
 def test_config_error_is_a_user_error():
     assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("module", ["admm_dist.train", "admm_dist.evaluate"])
+def test_help_into_a_pipe_closed_early_is_not_an_error(module):
+    """``--help | head``: the reader stops after a few lines; no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-m", module, "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()                       # as head does, here before the first line is written
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 0 and "Traceback" not in err, err
