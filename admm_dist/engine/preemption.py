@@ -7,13 +7,18 @@ set-up (nothing trained yet) or at the end of a round (every rank checkpoints th
 A note that arrives during the final writes is ignored: the run is finishing anyway.
 
 With ``ADMM_JOB_DIR`` set (the batch script sets it to ``logs/<job id>``), every worker
-writes ``pids/<host>-rank<RANK>.pid`` there at start and removes it at exit, and rank 0
-writes ``status.json`` when it stops::
+writes ``pids/<host>-rank<RANK>.pid`` there at start (whole or not at all: a temporary
+``.<name>.*.tmp`` renamed into place, which the script's ``<host>-rank*.pid`` glob never
+matches) and removes it at exit, and rank 0 writes ``status.json`` when it stops::
 
     {"state": "finished" | "preempted" | "failed", "round": 12, "out": "runs/x", "message": "..."}
 
 The script requeues the job only when the state is ``preempted``. Without ``ADMM_JOB_DIR``
 nothing is written and USR2 still stops the run cleanly.
+
+A PID file goes away when its worker leaves, and one asked worker makes every rank leave (they
+agree on the stop at the end of the round): so the script reads every PID file of a node before
+it signals any of them, and signals them all at once (see ``launch/slurm.sbatch``).
 """
 from __future__ import annotations
 
@@ -65,10 +70,18 @@ def record_pid(rank: int) -> Callable[[], None]:
     if folder is None:
         return lambda: None
     path = pid_path(folder, rank)
-    atomic_write_json(path, os.getpid())
+    me = os.getpid()
+    atomic_write_json(path, me)
 
     def remove() -> None:
+        # only by this process (not a fork of it) and only while the file still names it: a
+        # newer worker of the same rank (a restart) may have put its own in its place
+        if os.getpid() != me:
+            return
         try:
+            with open(path, encoding="utf-8") as fh:
+                if fh.read().strip() != str(me):
+                    return
             os.unlink(path)
         except OSError:
             pass

@@ -20,7 +20,7 @@ import struct
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 NPROC = 256          # tasks (processes and threads) the sandbox user may have
 TMPFS_MB = 64        # what the code can write to /tmp and its working folder there, together
@@ -100,19 +100,46 @@ def pid1_fd(info_r: int, proc: subprocess.Popen) -> Optional[int]:
     return fd
 
 
+def _under(path: str, folders: List[str]) -> bool:
+    return any(path == f or path.startswith(f.rstrip("/") + "/") for f in folders)
+
+
 def _python_dirs() -> List[str]:
-    """The folders the running Python needs (prefixes, the interpreter's own), outside /usr."""
+    """The running Python's prefixes (``sys.prefix``, ``sys.base_prefix``, the exec ones), as
+    given and resolved, outside /usr: the folders bound whole. Their siblings stay hidden (a venv
+    in ``/root/.cache/venv-x`` shows ``/root/.cache`` holding that venv alone)."""
     dirs: List[str] = []
-    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-              os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))):
-        for q in {os.path.abspath(p), os.path.realpath(p)}:
+    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix):
+        if not p:
+            continue
+        for q in (os.path.abspath(p), os.path.realpath(p)):
             if q not in dirs:
                 dirs.append(q)
-    keep = []
+    keep: List[str] = []
     for d in sorted(dirs, key=len):
-        if d != "/" and not any(d == k or d.startswith(k.rstrip("/") + "/") for k in keep + ["/usr"]):
+        if d != "/" and not _under(d, keep + ["/usr"]):
             keep.append(d)
     return keep
+
+
+def _interpreter_outside(keep: List[str]) -> Tuple[List[str], Optional[str]]:
+    """The way to ``sys.executable`` where it lies outside ``keep`` and /usr (rare: a link in a
+    folder of its own, such as ~/.local/bin/python3): the links on that way, re-made in the
+    sandbox pointing at the resolved file, and that file when it too lies outside (bound alone).
+    Only those paths, never their folders, whose other files are none of the sandbox's."""
+    exe = sys.executable
+    if not exe:
+        return [], None
+    seen = keep + ["/usr"]
+    real = os.path.realpath(exe)
+    links: List[str] = []
+    p = os.path.abspath(exe)
+    for _ in range(40):   # a chain of links, bounded as the kernel bounds it
+        if _under(p, seen) or not os.path.islink(p):
+            break
+        links.append(p)
+        p = os.path.normpath(os.path.join(os.path.dirname(p), os.readlink(p)))
+    return links, (None if _under(real, seen) else real)
 
 
 def _ancestors(path: str) -> List[str]:
@@ -187,12 +214,24 @@ def bwrap_argv(bwrap: str, host: str, work: str, main_fd: int, seccomp_fd: Optio
              "--proc", "/proc",
              "--perms", "1777", "--size", str(TMPFS_MB << 20), "--tmpfs", "/tmp"]
     made = {"/tmp", "/etc", "/dev", "/proc"}
-    for d in _python_dirs():  # after /tmp: a Python (a venv) under /tmp stays visible
-        for a in _ancestors(d):
+
+    def way_to(path: str) -> None:   # the folders above ``path``, empty but for the way down
+        for a in _ancestors(path):
             if a not in made and not os.path.islink(a):
-                argv += ["--perms", "0755", "--dir", a]
+                argv.extend(["--perms", "0755", "--dir", a])
                 made.add(a)
+
+    keep = _python_dirs()
+    links, exe_file = _interpreter_outside(keep)
+    for d in keep:  # after /tmp: a Python (a venv) under /tmp stays visible
+        way_to(d)
         argv += ["--ro-bind", d, d]
+    if exe_file is not None:
+        way_to(exe_file)
+        argv += ["--ro-bind", exe_file, exe_file]
+    for link in links:
+        way_to(link)
+        argv += ["--symlink", os.path.realpath(sys.executable), link]
     argv += ["--perms", "0777", "--dir", work,
              "--perms", "0644", "--file", str(main_fd), os.path.join(work, "main.py"),
              "--remount-ro", "/dev", "--remount-ro", "/",  # the sandbox's own tmpfs root: no writes

@@ -14,6 +14,7 @@ written at the end, and the training report.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
@@ -28,7 +29,7 @@ from admm_dist.model.vectors import save_vector
 from admm_dist.training import checkpoint as ckpt
 from admm_dist.training.config import TrainConfig
 from admm_dist.training.report import TrainReport
-from admm_dist.training.tracking import Tracker, collection_scalars, event_files, open_tracker
+from admm_dist.training.tracking import Tracker, TrackingConfig, collection_scalars, event_files, open_tracker
 
 if TYPE_CHECKING:
     from admm_dist.engine.admm import ADMMEngine
@@ -120,8 +121,9 @@ class RunOutputs:
         return None
 
     # ------------------------------------------------------------------ tracking
-    @property
-    def tracking(self):
+    @functools.cached_property
+    def tracking(self) -> TrackingConfig:
+        """``report_to``'s settings, built once (the config is frozen)."""
         return self.cfg.tracking_config()
 
     def tracking_folder(self) -> str:
@@ -136,7 +138,7 @@ class RunOutputs:
         run_id = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:40] + "-" + fingerprint
         failed: Optional[BaseException] = None
         try:
-            tracker = open_tracker(cfg.tracking_config(), rank=self.rank, folder=self.tracking_folder(),
+            tracker = open_tracker(self.tracking, rank=self.rank, folder=self.tracking_folder(),
                                    name=name, config=cfg.as_dict(), config_yaml=dump_yaml(cfg), run_id=run_id,
                                    resumed_after=resumed_after)
         except Exception as exc:    # a library's own error included: the other ranks must hear of it

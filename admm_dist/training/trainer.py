@@ -19,7 +19,7 @@ import contextlib
 import math
 import random
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -87,6 +87,7 @@ class Trainer:
         self.fit_digest: Optional[str] = None   # content of the first fit set (fingerprint)
         self.dev_encoded: Dict[int, list] = {}  # each node's held-out share, tokenized once
         self.best: Optional[BestRound] = None
+        self.tracked_dw: Optional[Tuple[int, float]] = None   # (round, delta_w_rel of z_0) track() logged
         self.t_start = time.time()
 
     # ------------------------------------------------------------------ set-up
@@ -360,6 +361,7 @@ class Trainer:
         tele = self.comm.meter.total(node=self.nodes[0], round=rec.round, phase=TELEMETRY)
         dev = [p["dev_nll"] for p in self.report.get("dev_curve") or [] if p["round"] == rec.round]
         dw = delta_w_rel(self.adapter, self.engine.z[0], self.cfg.lora_alpha, self.cfg.lora_rank)
+        self.tracked_dw = (rec.round, dw)   # the last round's is the result's: finish() reuses it
         self.tracker.log(rec.round, round_scalars(rec, telemetry_sent=tele.sent, telemetry_recv=tele.recv,
                                                   dev_nll=dev[-1] if dev else None, delta_w_rel=dw))
 
@@ -407,7 +409,11 @@ class Trainer:
         report.train_sec = round(time.time() - self.t_start, 2)
         deploy_local = cfg.local_only or not self.comm.exact
         result = [self.engine.x[j] if cfg.local_only else self.engine.z[j] for j in range(len(self.nodes))]
-        dw = [delta_w_rel(self.adapter, v, cfg.lora_alpha, cfg.lora_rank) for v in result]
+        # z_0's figure at this round was measured once already, for the trackers: reuse it
+        known = (self.tracked_dw[1] if self.tracked_dw is not None and not cfg.local_only
+                 and self.tracked_dw[0] == self.engine.round else None)
+        dw = [known if j == 0 and known is not None else delta_w_rel(self.adapter, v, cfg.lora_alpha, cfg.lora_rank)
+              for j, v in enumerate(result)]
         dws = self.comm.gather_rows(torch.tensor([[d] for d in dw], dtype=torch.float64))
         dw_all = [float(v) for v in dws[:, 0]]
         report.delta_w_rel = dw_all if deploy_local else dw_all[0]

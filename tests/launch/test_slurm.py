@@ -52,6 +52,55 @@ unrecord()
 print(f"fake rank {rank}: usr2={len(got)} state={state}", flush=True)
 '''
 
+# Stand-in ranks that leave together once any one of them is asked, as a real run's ranks do
+# (they agree on the stop at the end of the round, checkpoint and exit, each removing its PID
+# file): the first one asked takes the others' PID files away at once (their leaving, as a
+# forward that reads one file at a time meets it) and stops them half a second later (the end
+# of its round). A forward that reads and signals one PID file at a time, forking between them,
+# finds the others' files gone; one that reads every file first asks them all.
+PEERS = '''"""Stand-in ranks that stop together once any one of them is asked."""
+import os, signal, sys, time
+from admm_dist.engine.preemption import record_pid
+rank = int(os.environ["RANK"])
+got, left = [], []
+unrecord = lambda: None
+folder = os.path.join(os.environ["ADMM_JOB_DIR"], "pids")
+def leave(*_):
+    if left:   # a SIGTERM while already leaving (after its USR2)
+        return
+    left.append(1)
+    unrecord()
+    print(f"peer rank {rank}: usr2={len(got)}", flush=True)
+    os._exit(0)
+def asked(*_):
+    got.append(time.time())
+    others = []
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        try:
+            with open(path) as fh:
+                pid = int(fh.read())
+            if pid != os.getpid():
+                os.unlink(path)   # it is leaving: its PID file goes
+                others.append(pid)
+        except (OSError, ValueError):
+            pass
+    time.sleep(0.5)               # the end of the round: the others stop too
+    for pid in others:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    leave()
+signal.signal(signal.SIGTERM, leave)
+signal.signal(signal.SIGUSR2, asked)
+unrecord = record_pid(rank)
+end = time.time() + float(sys.argv[1])
+while time.time() < end:
+    time.sleep(0.05)
+print(f"peer rank {rank}: never asked", flush=True)
+unrecord()
+'''
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
@@ -69,6 +118,7 @@ def assets(tmp_path_factory):
     a = tiny_assets(d, N)
     (d / "fake").mkdir()
     (d / "fake" / "fakejob.py").write_text(FAKE)
+    (d / "fake" / "fakepeers.py").write_text(PEERS)
     return dict(a, fake=str(d / "fake"))
 
 
@@ -130,10 +180,9 @@ def test_preempted_job_requeues_resumes_bit_identical_and_leaves_its_neighbour_a
     assert log.index(f"job {cut} start 1 ") < first_round < m.start() < requeue
     assert log.index(f"job {cut} start 2 ") > requeue
     assert log.index(f"resume auto: continuing after round {k}") > requeue
-    # this job's workers were asked, by PID (one suffices for the stop: the ranks agree on
-    # it); once in a CI run one of the 3 was not counted: the line now says why a PID is skipped
-    asked = [int(m) for m in re.findall(r"SIGUSR2: asked (\d+) worker\(s\)", log)]
-    assert asked and 1 <= max(asked) <= N, log[-3000:]
+    # every worker of this job was asked, by PID (the forward reads every PID file before it
+    # signals any: the ranks leave together once one of them has the warning)
+    assert f"SIGUSR2: asked {N} worker(s) of job {cut} " in log, log[-3000:]
     assert "Traceback" not in log
 
     # the neighbour was never preempted, ran all rounds, and finished
@@ -156,8 +205,9 @@ def test_preempted_job_requeues_resumes_bit_identical_and_leaves_its_neighbour_a
 def test_requeue_only_a_preempted_run_and_only_when_allowed(cluster, assets, tmp_path):
     """Stand-in workers (the real pid/status contract) test the script's decisions fast:
     --no-requeue -> one clear line and exit 75 (here the USR2 comes before any worker has
-    recorded its PID: the script retries until one has); a run that finished despite the USR2
-    is not requeued; a PID in the pid folder that is not this job's is never signalled."""
+    recorded its PID: the forward waits until every one has, then asks them all); a run that
+    finished despite the USR2 is not requeued; a PID in the pid folder that is not this job's
+    is never signalled."""
     sub = submit_dir(tmp_path)
     env = job_env(assets)
     norq = cluster.sbatch(SCRIPT, ["fakejob", "90", "preempted"], options=["--no-requeue"], cwd=str(sub), env=env)
@@ -190,6 +240,26 @@ def test_requeue_only_a_preempted_run_and_only_when_allowed(cluster, assets, tmp
         for p in (other, reused):
             p.kill()
             p.wait(timeout=10)
+
+
+def test_every_worker_is_asked_even_when_the_first_asked_stops_the_others(cluster, assets, tmp_path):
+    """The ranks leave together once any of them has the warning (each removing its PID file):
+    the forward reads every PID file of the node first, then asks them all, so none is missed."""
+    sub = submit_dir(tmp_path)
+    job = cluster.sbatch(SCRIPT, ["fakepeers", "60"], cwd=str(sub), env=job_env(assets))
+    wait_for(lambda: len(pids_of(sub, job)) == N or cluster.state(job) not in ("PENDING", "RUNNING", ""), 120,
+             f"the workers of job {job}")
+    assert len(pids_of(sub, job)) == N, (cluster.job(job), log_of(sub, job))
+    cluster.signal_batch(job)
+    info = cluster.wait_done(job, 120)
+    log = log_of(sub, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log)
+    asked = re.findall(r"SIGUSR2: asked (\d+) worker\(s\)[^\n]*", log)
+    assert len(asked) == 1 and f"SIGUSR2: asked {N} worker(s) of job {job} " in log, log
+    assert set(re.findall(r"peer rank (\d+): usr2=1", log)) == {str(r) for r in range(N)}, log
+    assert "usr2=0" not in log and "never asked" not in log, log
+    assert "without the go" not in log and "kill failed" not in log
+    assert pids_of(sub, job) == [] and "Traceback" not in log
 
 
 def test_setup_errors_are_one_clear_line(cluster, assets, tmp_path):

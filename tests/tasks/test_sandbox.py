@@ -6,6 +6,7 @@ its folder, reads of /etc/passwd and of the evaluator's environment through /pro
 127.0.0.1, killing the evaluator, escaping the kill with setsid, a fork bomb. Every run passes
 ``allow_unisolated=False``, so none can fall back to running uncontained.
 """
+import ast
 import base64
 import json
 import os
@@ -109,6 +110,22 @@ def test_writes_outside_its_folder_do_not_reach_the_host(tmp_path):
                 os.remove(p)
 
 
+def ways_to_the_python():
+    """{folder: the entries the sandbox may show there} for every folder on the way down to the
+    interpreter's own prefixes (``sys.prefix``, ``sys.base_prefix``, as given and resolved),
+    wherever they live (a pyenv under /root/.pyenv, a venv under /root/.cache, ...): only the next
+    step towards a prefix, never its siblings. ``/root`` shows nothing unless a prefix is there."""
+    ways = {"/root": set()}
+    for p in (sys.prefix, sys.base_prefix):
+        for q in {os.path.abspath(p), os.path.realpath(p)}:
+            if q == "/usr" or q.startswith(("/usr/", "/tmp/")):
+                continue   # /usr is shown whole; /tmp is the sandbox's own
+            parts = q.strip("/").split("/")
+            for i in range(1, len(parts)):
+                ways.setdefault("/" + "/".join(parts[:i]), set()).add(parts[i])
+    return ways
+
+
 @needs_bwrap
 def test_host_files_and_the_callers_environment_are_hidden(tmp_path, monkeypatch):
     env_secret, file_secret = secrets.token_hex(12), secrets.token_hex(12)
@@ -116,6 +133,8 @@ def test_host_files_and_the_callers_environment_are_hidden(tmp_path, monkeypatch
     secret_file = tmp_path / "secret.txt"
     secret_file.write_text(file_secret)
     secret_file.chmod(0o644)  # readable by anyone: hiding it is the sandbox's job, not the mode's
+    ways = ways_to_the_python()
+    listed = ['/', '/home', '/work', '/tmp', '/etc'] + sorted(ways)
     r = run("import base64, glob, os, zlib\n"
             "seen = [repr(dict(os.environ))]\n"
             f"paths = ['/etc/passwd', '/etc/shadow', {str(secret_file)!r}, {os.path.abspath(__file__)!r}]\n"
@@ -126,7 +145,7 @@ def test_host_files_and_the_callers_environment_are_hidden(tmp_path, monkeypatch
             "        seen.append(open(p, 'rb').read().decode('utf-8', 'replace'))\n"
             "    except OSError as e:\n"
             "        seen.append(f'{p}: {e.strerror}')\n"
-            "for d in ['/', '/root', '/home', '/work', '/tmp', '/etc']:\n"
+            f"for d in {listed!r}:\n"
             "    seen.append(f'{d}: {sorted(os.listdir(d)) if os.path.isdir(d) else None}')\n"
             f"seen.append(str(os.path.exists({REPO!r})))\n"
             "print(base64.b64encode(zlib.compress('\\n'.join(seen).encode(), 9)).decode())\n")
@@ -139,8 +158,27 @@ def test_host_files_and_the_callers_environment_are_hidden(tmp_path, monkeypatch
     assert f"nobody:x:{sandbox.SANDBOX_UID}" in out  # the made-up one
     assert out.rstrip().endswith("False")  # the repository does not exist in there
     assert "/home: None" in out and "/work: None" in out
-    root_listing = next(line for line in out.splitlines() if line.startswith("/root: "))
-    assert root_listing in ("/root: None", "/root: ['.pyenv']")  # at most the way to the Python
+    listings = dict(line.split(": ", 1) for line in out.splitlines() if line.split(": ", 1)[0] in ways)
+    for folder, allowed in ways.items():  # at most the way to the Python, wherever it lives
+        shown = ast.literal_eval(listings[folder]) or []   # a sorted list of names, or None
+        assert set(shown) <= allowed, (folder, shown, sorted(allowed))
+
+
+@needs_bwrap
+def test_an_interpreter_reached_through_a_link_shows_that_link_not_its_folder(tmp_path, monkeypatch):
+    """``sys.executable`` may be a link in a folder of its own (``~/.local/bin/python3`` to a
+    pyenv or a venv): the sandbox re-makes that one link; the folder's other files stay hidden."""
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    (shims / "python3").symlink_to(os.path.realpath(sys.executable))
+    (shims / "secret.txt").write_text(secrets.token_hex(8))
+    (shims / "secret.txt").chmod(0o644)
+    monkeypatch.setattr(sys, "executable", str(shims / "python3"))
+    r = run("import os, sys\n"
+            f"print(sorted(os.listdir({str(shims)!r})), os.path.islink({str(shims / 'python3')!r}), "
+            "sys.version_info[:2])\n")
+    assert r.ok, r.stderr_tail
+    assert r.stdout_tail.split("\n")[0] == f"['python3'] True {tuple(sys.version_info[:2])}"
 
 
 @needs_bwrap

@@ -180,3 +180,24 @@ def test_prune_keeps_other_runs_checkpoints():
         ckpt.prune(root, [0], 1, "mine")
         assert ckpt.completed_rounds(root, [0], "mine") == [6]
         assert ckpt.completed_rounds(root, [0], "other") == [1, 2, 3]
+
+
+def test_the_tracking_settings_are_built_once(assets, tmp_path, monkeypatch):
+    """``RunOutputs.tracking`` is built from the (frozen) config at its first use, then kept:
+    the path checks, the tracking folder and the tracker's opening all read the same object."""
+    from admm_dist.training.config import TrainConfig
+    from admm_dist.training.outputs import RunOutputs
+
+    cfg = TrainConfig(model_name=assets["backbone"], fitset_cache=assets["fit"], task="synthetic", n_agents=N,
+                      report_to="tensorboard", out=str(tmp_path / "runs" / "run"),
+                      report_dir=str(tmp_path / "reports"))
+    built = []
+    original = TrainConfig.tracking_config
+    monkeypatch.setattr(TrainConfig, "tracking_config", lambda self: built.append(1) or original(self))
+    outputs = RunOutputs(cfg, 0, lambda m: None)
+    first = outputs.tracking
+    assert outputs.problem() is None
+    folder = outputs.tracking_folder()
+    assert outputs.tracking is first and first.active == ["tensorboard"]
+    assert folder == str(tmp_path / "reports" / "tracking" / "run")
+    assert len(built) == 1

@@ -205,3 +205,28 @@ def test_a_tracker_that_is_not_installed_is_refused_before_any_work(assets, tmp_
                                         r"pip install 'admm_dist\[wandb\]'"):
         train_local(_cfg(assets, tmp_path, report_to="wandb"))
     assert not (tmp_path / "reports").exists() and not (tmp_path / "run").exists()
+
+
+def test_the_last_rounds_delta_w_rel_is_computed_once(assets, tmp_path, monkeypatch):
+    """With a tracker on, the last round's delta_w_rel of z_0 (logged by the round) is the
+    result's: measured once, the same figure in the round's scalars, the final ones and the report."""
+    import admm_dist.training.trainer as trainer_module
+
+    calls = []
+    original = trainer_module.delta_w_rel
+
+    def counted(adapter, vec, *args):
+        calls.append(1)
+        return original(adapter, vec, *args)
+
+    monkeypatch.setattr(trainer_module, "delta_w_rel", counted)
+    report = train_local(_cfg(assets, tmp_path, report_to="tensorboard"))
+    # one per round for the tracker (z_0), then one per other node at the end (z_1, z_2)
+    assert len(calls) == 3 + (N - 1), len(calls)
+    scalars, _ = read_tensorboard(str(tmp_path / "reports" / "tracking" / "run"))
+    assert scalars["final/delta_w_rel"][0][1] == scalars["admm/delta_w_rel"][-1][1]   # the same float32
+    assert scalars["final/delta_w_rel"] == [(3, pytest.approx(report["delta_w_rel"], rel=1e-6))]
+
+    calls.clear()   # without a tracker: one per node, at the end
+    train_local(_cfg(assets, tmp_path / "plain"))
+    assert len(calls) == N
