@@ -49,6 +49,21 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         raise
 
 
+def check_output_file(path: str, flag: str) -> None:
+    """Refuse, before any work, an output file that could not be written at the end: ``path``
+    is a folder, or its folder cannot be created (a file on the way) or written. One line
+    naming ``flag``."""
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a folder: give a file path")
+    here = os.path.dirname(os.path.abspath(path))    # nothing is created yet: the nearest existing folder decides
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        raise UserError(f"{flag} {path} cannot be written: {here} is a file; choose another {flag}")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path} cannot be written: {here} is read-only or not ours; choose another {flag}")
+
+
 def atomic_write_json(path: str, obj: Any, *, indent: int = 2) -> None:
     text = json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=False)
     atomic_write_bytes(path, (text + "\n").encode("utf-8"))

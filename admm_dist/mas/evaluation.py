@@ -44,7 +44,7 @@ import torch
 
 from admm_dist import tasks
 from admm_dist.core.errors import UserError
-from admm_dist.core.io import atomic_write_bytes, atomic_write_json, read_json
+from admm_dist.core.io import atomic_write_bytes, atomic_write_json, check_output_file, read_json
 from admm_dist.data import queries
 from admm_dist.engine.dist import resolve_device
 from admm_dist.mas import ChainConfig, ChainRunner, role_name
@@ -195,8 +195,11 @@ def check_numbers(args) -> None:
 
 def prepare(args):
     """Everything that can be checked before a backbone loads: the task, the deployed states,
-    the models named, the rows and the leakage check."""
+    the models named, the rows, the leakage check and the output paths."""
     check_numbers(args)
+    for flag, path in (("--json", args.json), ("--save_trajectories", args.save_trajectories)):
+        if path:
+            check_output_file(path, flag)
     spec = tasks.get(args.task)
     safety = spec.answer_type == "safety"
     if safety and not args.judge:

@@ -195,3 +195,18 @@ def test_a_copied_adapter_still_refuses_its_training_rows(tmp_path, capsys):
     rc, out, err = evaluate(capsys, "--adapter", str(copy))
     assert rc == 2 and out == "" and "1 of 8 evaluation rows were training queries" in err
     assert str(copy) in err
+
+
+@pytest.mark.parametrize("flag", ["--json", "--save_trajectories"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_model_loads(capsys, tmp_path, monkeypatch, flag):
+    """Checked in prepare(), like the trainer's outputs: not after the whole evaluation has run."""
+    from admm_dist.mas import evaluation
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded before the output paths were checked")
+    monkeypatch.setattr(evaluation, "roll_out", no_model)
+    for path, words in ((os.path.join(ROOT, "README.md", "e.json"), "README.md is a file"),
+                        (str(tmp_path), "is a folder")):
+        rc, out, err = evaluate(capsys, flag, path, n=2)
+        assert rc == 2 and f"{flag} {path}" in err and words in err, err
+        assert len(err.strip().splitlines()) == 1 and out == ""
