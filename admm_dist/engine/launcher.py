@@ -13,16 +13,17 @@ hanging.
 Workers start from a fork server (:data:`PRELOAD`: torch, transformers and PEFT are imported
 once per calling process, not once per worker), which makes a launch about 2 s cheaper on a
 2-core machine. A forked worker is made to start as a spawned one would: the caller's current
-environment, working directory and ``sys.path`` are sent along with ``fn`` and set before it
-is unpickled (the launcher's own variables, RANK and the rest, stay the launcher's), and its
+environment, working directory and ``sys.path`` are sent along with ``fn``'s module and name,
+and set before ``fn`` is imported by that name (the launcher's own variables, RANK and the
+rest, stay the launcher's), and its
 stdout and stderr write where the caller's do now (reopened through ``/proc/<caller>/fd``). A function
 of ``__main__`` (a script's) is spawned instead, which the fork server cannot import.
 """
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
-import pickle
 import sys
 import uuid
 from typing import Any, Callable, Dict, Mapping
@@ -41,14 +42,14 @@ _LAUNCHER_VARS = frozenset({
     "CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"})
 
 
-def _caller_state(fn: Callable[..., Any], args: tuple) -> Dict[str, Any]:
+def _caller_state(fn: Callable[..., Any]) -> Dict[str, Any]:
     return {"env": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path), "pid": os.getpid(),
-            "call": pickle.dumps((fn, args))}
+            "fn": (fn.__module__, fn.__qualname__)}
 
 
-def _become_caller(state: Mapping[str, Any]) -> tuple:
+def _become_caller(state: Mapping[str, Any]) -> Callable[..., Any]:
     """In a forked worker: the caller's environment (but the launcher's own variables), working
-    directory and import path; then ``(fn, args)``."""
+    directory and import path; then ``fn``, imported by its module and name."""
     mine = {k: v for k, v in os.environ.items() if k in _LAUNCHER_VARS or k.startswith("TORCHELASTIC_")}
     os.environ.clear()
     os.environ.update({**state["env"], **mine})
@@ -62,13 +63,17 @@ def _become_caller(state: Mapping[str, Any]) -> tuple:
         stream.flush()
         os.dup2(target, fd)
         os.close(target)
-    return pickle.loads(state["call"])
+    module, name = state["fn"]
+    fn: Any = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    return fn
 
 
 def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, setup: bool,
             args: tuple, caller: Any = None) -> Any:
     if caller is not None:
-        fn, args = _become_caller(caller)
+        fn = _become_caller(caller)
     torch.set_num_threads(threads)
     if not setup:
         return fn(*args)
@@ -102,4 +107,4 @@ def launch_cpu(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float
         monitor_interval=0.05, start_method=start_method, rdzv_timeout=int(timeout_s) + 30)
     if start_method == "spawn":
         return elastic_launch(config, _worker)(fn, timeout_s, threads, setup, args)
-    return elastic_launch(config, _worker)(None, timeout_s, threads, setup, (), _caller_state(fn, args))
+    return elastic_launch(config, _worker)(None, timeout_s, threads, setup, args, _caller_state(fn))
