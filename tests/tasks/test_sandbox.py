@@ -419,6 +419,17 @@ def test_a_non_root_caller_gets_a_user_namespace_and_may_opt_out():
     srcs = [os.path.abspath(m.__file__) for m in (sandbox, bubblewrap, sys.modules[RunError.__module__])]
     if any(not os.access(src, os.R_OK) or os.stat(src).st_mode & stat.S_IROTH == 0 for src in srcs):
         pytest.skip("the sandbox modules are not readable by nobody here")
+
+    def searchable_by_others(path):     # every folder down to path (e.g. a mktemp -d clone is 0700)
+        path = os.path.abspath(path)
+        while True:
+            if not os.stat(path).st_mode & stat.S_IXOTH:
+                return False
+            if path == os.path.dirname(path):
+                return True
+            path = os.path.dirname(path)
+    if not all(searchable_by_others(os.path.dirname(src)) for src in srcs):
+        pytest.skip("the sandbox module's folder is not reachable by nobody here")
     p = subprocess.run(["/usr/bin/python3", "-I", "-c", NOBODY_CHECK, REPO], preexec_fn=become_nobody,
                        cwd="/", env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
     if p.returncode and "Permission denied" in p.stderr and REPO in p.stderr:
