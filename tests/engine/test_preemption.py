@@ -104,9 +104,11 @@ def test_sigusr2_during_set_up_stops_cleanly_and_the_job_dir_says_so(assets, tmp
                          stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and len(os.listdir(job / "pids") if (job / "pids").is_dir() else []) < N:
+        def recorded():   # whole PID files only: not a temporary about to be renamed into place
+            return sorted(f for f in os.listdir(job / "pids") if f.endswith(".pid")) if (job / "pids").is_dir() else []
+        while time.time() < deadline and len(recorded()) < N:
             time.sleep(0.02)
-        pids = sorted(os.listdir(job / "pids"))
+        pids = recorded()
         assert len(pids) == N, pids
         with open(job / "pids" / pids[-1]) as fh:
             os.kill(int(json.load(fh)), signal.SIGUSR2)      # one worker of this job only
@@ -142,9 +144,11 @@ def test_a_rank_stopped_during_start_up_is_one_line_on_the_others(assets, tmp_pa
         deadline = time.time() + 120
         # the first worker to record its PID is stopped at once: the group cannot have formed
         # yet, as the others had not all started (they record their PIDs before joining it)
-        while time.time() < deadline and not (os.listdir(job / "pids") if (job / "pids").is_dir() else []):
+        def recorded():   # whole PID files only: not a temporary about to be renamed into place
+            return sorted(f for f in os.listdir(job / "pids") if f.endswith(".pid")) if (job / "pids").is_dir() else []
+        while time.time() < deadline and not recorded():
             time.sleep(0.002)
-        first = sorted(os.listdir(job / "pids"))[0]
+        first = recorded()[0]
         for _ in range(100):   # the file appears by rename: its content is complete once it is there
             try:
                 with open(job / "pids" / first) as fh:
