@@ -98,7 +98,7 @@ def build_parser() -> EvalParser:
            "one the adapter names or that lies next to the run)")
     a("--save_trajectories", default=None, metavar="FILE.jsonl", help="write every chain's messages here")
     a("--json", default=None, metavar="FILE", help="write the summary here")
-    _shared(p, "device", "auto (CUDA when present), cpu or cuda", choices=("auto", "cpu", "cuda"))
+    _shared(p, "device")   # auto, cpu, cuda or cuda:N: the training key's help; checked by evaluation
     return p
 
 

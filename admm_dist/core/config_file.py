@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Ty
 
 import yaml
 
-from admm_dist.core.errors import UserError
+from admm_dist.core.errors import UserError, one_line
 
 T = TypeVar("T")
 
@@ -227,19 +227,92 @@ def parse_overrides(argv: Sequence[str], cls) -> Dict[str, Any]:
     return out
 
 
+class _DuplicateKey(Exception):
+    """A key given twice in one YAML mapping (raised by :class:`_StrictLoader`)."""
+
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(key, line, first)
+        self.key, self.line, self.first = key, line, first
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last
+    value silently). Merge keys (``<<``) may still be overridden; valid files load unchanged."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: Dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                k = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(k)
+                except TypeError:        # an unhashable key: SafeLoader's own error says so
+                    continue
+                line = key_node.start_mark.line + 1
+                if first is not None:
+                    raise _DuplicateKey(k, line, first)
+                seen[k] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _line_col(text: str, position: int) -> Tuple[int, int]:
+    """1-based (line, column) of character ``position`` of ``text``."""
+    before = text[:position]
+    return before.count("\n") + 1, position - (before.rfind("\n") + 1) + 1
+
+
 def load_yaml(path: str) -> Dict[str, Any]:
+    """The mapping of a YAML config file; every bad file is one :class:`ConfigError` line that
+    names the path (a folder, a binary file, a syntax error at line and column, a duplicate key)."""
     if not os.path.exists(path):
         raise ConfigError(f"config file {path} does not exist: check the --config path")
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path} is a folder: give a YAML file to --config, "
+                          "e.g. --config configs/cpu/admm_ring.yaml")
     try:
-        with open(path) as fh:
-            data = yaml.safe_load(fh)
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror or type(e).__name__}): "
+                          "give a readable YAML file to --config") from None
+    not_text = (f"config file {path} is not a text file ({{}}): give a YAML file to --config, "
+                "e.g. --config configs/cpu/admm_ring.yaml")
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise ConfigError(not_text.format(f"a NUL byte at offset {nul}"))
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(not_text.format(f"byte {raw[e.start]:#04x} at offset {e.start} is not UTF-8")) from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{path}: line {e.line}: key {e.key!r} is given twice (first on line {e.first}): "
+                          "keep one of them") from None
+    except yaml.reader.ReaderError as e:
+        line, col = _line_col(text, e.position)
+        code = e.character if isinstance(e.character, int) else ord(e.character)
+        raise ConfigError(not_text.format(f"control character #x{code:04x} at line {line}, column {col}")) \
+            from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "an unknown place"
+        what = e.problem or e.context or "a syntax error"
+        raise ConfigError(f"{path} is not valid YAML at {where}: {what}: fix the file there") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{path} is not valid YAML ({one_line(e)}): fix the file") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of key: value, got {type(data).__name__}")
     return data
+
+
+def _optional(tp: Any) -> bool:
+    """Whether ``None`` is a value of the field type ``tp`` (``Optional[X]``, ``Any``)."""
+    return tp is Any or (typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp))
 
 
 def build(cls: Type[T], *layers: Tuple[str, Mapping[str, Any]], listed_by: str = "--help") -> T:
@@ -252,6 +325,9 @@ def build(cls: Type[T], *layers: Tuple[str, Mapping[str, Any]], listed_by: str =
         for key, raw in layer.items():
             if key not in fields:
                 raise _unknown(key, fields, where, listed_by)
+            if raw is None and not _optional(hints[key]) and fields[key].default is not None:
+                raise ConfigError(f"{key} is empty (null) in {where}: give it a value, or delete the line to "
+                                  f"keep the default {shown(fields[key].default)}")
             values[key] = coerce(key, hints[key], raw)
     try:
         return cls(**values)

@@ -5,10 +5,11 @@ Data files are JSON/JSONL/safetensors only; nothing here unpickles.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
-from typing import Any, List
+from typing import Any, Callable, List, Optional
 
 from admm_dist.core.errors import UserError
 
@@ -27,25 +28,43 @@ def current_umask() -> int:
     return mask
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
+def _naming(exc: OSError, path: str) -> OSError:
+    """``exc`` as an OSError of the same errno and reason whose filename is ``path`` (the
+    final file: ENOSPC from write or fsync names no file, and os.replace names the temporary)."""
+    if exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), path)   # the errno's subclass
+
+
+def atomic_write_bytes(path: str, data: bytes, *, before_rename: Optional[Callable[[], None]] = None) -> None:
     """Write to a temporary file in the same folder, fsync, then rename over ``path``.
 
     The file gets the mode a plain ``open(path, "w")`` would give it (0666 less the umask),
     not the 0600 of the temporary file, so group members and serving accounts can read it.
+    An OSError (a full disk, a folder removed under the run) names ``path``, and the
+    temporary file is removed.
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    tmp = None
     try:
-        os.fchmod(fd, 0o666 & ~current_umask())
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
         with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), 0o666 & ~current_umask())
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        if before_rename is not None:   # tests only (admm_dist.testing.faults): a kill inside a write
+            before_rename()
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    except BaseException as exc:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if isinstance(exc, OSError):
+            raise _naming(exc, path) from exc
         raise
 
 
@@ -64,9 +83,10 @@ def check_output_file(path: str, flag: str) -> None:
         raise UserError(f"{flag} {path} cannot be written: {here} is read-only or not ours; choose another {flag}")
 
 
-def atomic_write_json(path: str, obj: Any, *, indent: int = 2) -> None:
+def atomic_write_json(path: str, obj: Any, *, indent: int = 2,
+                      before_rename: Optional[Callable[[], None]] = None) -> None:
     text = json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=False)
-    atomic_write_bytes(path, (text + "\n").encode("utf-8"))
+    atomic_write_bytes(path, (text + "\n").encode("utf-8"), before_rename=before_rename)
 
 
 def replace_dir(tmp: str, dst: str) -> None:
@@ -113,3 +133,72 @@ def read_jsonl(path: str, what: str) -> List[dict]:
                 raise UserError(f"{what} {path}: line {i} is not a JSON object")
             out.append(obj)
     return out
+
+
+class Staged:
+    """Files and folders written beside their final paths first, then renamed into place together.
+
+    :meth:`file` and :meth:`folder` give the path to write a result to (``.<name>.staged`` in the
+    same folder; a killed run's leftover there is removed first) and refuse at once a final path
+    of the wrong kind, so that every problem shows before anything is replaced. :meth:`commit`
+    renames them all into place, in the order staged; :meth:`discard` removes them.
+    """
+
+    def __init__(self) -> None:
+        self.moves: List[tuple] = []
+
+    def _stage(self, dst: str) -> str:
+        dst = os.path.abspath(dst)
+        stage = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.staged")
+        _remove(stage)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        self.moves.append((stage, dst))
+        return stage
+
+    def file(self, dst: str) -> str:
+        if os.path.isdir(dst):
+            raise IsADirectoryError(errno.EISDIR, "a folder is in the way of a result file", dst)
+        return self._stage(dst)
+
+    def folder(self, dst: str) -> str:
+        if os.path.exists(dst) and not os.path.isdir(dst):
+            raise NotADirectoryError(errno.ENOTDIR, "a file is in the way of a result folder", dst)
+        return self._stage(dst)
+
+    def commit(self) -> None:
+        for stage, dst in self.moves:
+            if os.path.isdir(stage):
+                replace_dir(stage, dst)
+            else:
+                os.replace(stage, dst)
+        for folder in {os.path.dirname(dst) for _, dst in self.moves}:
+            _fsync_dir(folder)
+        self.moves = []
+
+    def discard(self) -> None:
+        for stage, _ in self.moves:
+            _remove(stage)
+        self.moves = []
+
+
+def _remove(path: str) -> None:
+    """Remove a file or a folder tree if it exists."""
+    import shutil
+
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

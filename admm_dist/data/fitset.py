@@ -34,7 +34,8 @@ a file mode: it is derived from an ``sft`` file at load time
 (:func:`admm_dist.data.derive.derive`). Non-finite numbers are refused on write.
 
 Loading checks, each a one-line :class:`FitSetError` that names the fix: the file exists, every
-line is valid JSON (the line number is reported), the header's format and version, that the
+line is valid JSON (the line number is reported) whose text is valid Unicode (no lone surrogate
+escape such as ``\\ud800``), the header's format and version, that the
 number of example lines equals ``n_examples`` (a short file was truncated), every example's
 fields and types, and, when the caller passes the settings it would collect under, that they
 equal the header's (keys missing on either side count as differences).
@@ -48,6 +49,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from admm_dist.core.errors import UserError
@@ -215,6 +217,26 @@ def _example_from_json(obj: Any, where: str) -> Example:
     return Example(**obj)
 
 
+# A JSON escape of a UTF-16 surrogate: alone (not a pair) it decodes to a str that is not valid
+# Unicode, which every later encode (tokenizer, hashing, writing) fails on.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    """Whether any string in the parsed JSON value ``obj`` (keys included) holds a lone surrogate."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(obj, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_lone_surrogate(v) for v in obj)
+    return False
+
+
 def load_fitset(path: str, *, settings: Optional[Dict[str, Any]] = None,
                 ignore: Iterable[str] = ("fit_mode",)) -> FitSet:
     """Read and check a fit set; with ``settings``, refuse one built under other settings."""
@@ -233,12 +255,17 @@ def load_fitset(path: str, *, settings: Optional[Dict[str, Any]] = None,
         lines.pop()                      # the newline that ends the last line
 
     def parse(lineno: int) -> Any:
+        line = lines[lineno - 1]
         try:
-            return json.loads(lines[lineno - 1])
+            obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise FitSetError(f"{path}: line {lineno} is not valid JSON ({exc.msg}, column "
                               f"{exc.colno}): the file is corrupt; delete it and collect "
                               f"again") from None
+        if _SURROGATE_ESCAPE.search(line) and _has_lone_surrogate(obj):
+            raise FitSetError(f"{path}: line {lineno} holds text that is not valid Unicode (a lone "
+                              f"surrogate escape such as \\ud800): the file is corrupt; rebuild it")
+        return obj
 
     if not lines:
         raise FitSetError(f"{path}: empty file, no header: delete it and collect again")

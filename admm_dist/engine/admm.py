@@ -195,8 +195,9 @@ class ADMMEngine:
                if not all(math.isfinite(v) for v in table[i, :5].tolist())]
         if bad:
             raise NonFiniteError(f"round {self.round}: non-finite objective or state on node(s) {bad}: "
-                                 "lower --eta or --grad_clip, or check that node's examples; "
-                                 "resume=auto restarts from the last finite checkpoint")
+                                 "rerun with resume=auto and a lower eta= or grad_clip= (both may change "
+                                 "on resume: the run continues from its last checkpoint with them), or "
+                                 "check that node's examples")
         if self.config.rho_adapt and self.comm.n_nodes > 1:
             self._adapt_rho(rec)
         return rec

@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import itertools
 import os
+import re
 from typing import Iterator, Mapping, Optional
 
 import torch
@@ -29,6 +30,8 @@ from admm_dist.core.constants import DEFAULT_TIMEOUT_S
 from admm_dist.core.errors import UserError
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+DEVICE_FORMS = "auto, cpu, cuda or cuda:N"   # what a device setting may be (check_device)
+_CUDA_N = re.compile(r"cuda:[0-9]+")
 _GROUP_IDS = itertools.count(1)   # process groups this process created: each its own store key space
 
 
@@ -93,14 +96,25 @@ def read_env(env: Optional[Mapping[str, str]] = None) -> DistEnv:
     )
 
 
+def check_device(requested: object) -> str:
+    """``requested`` if it is one of :data:`DEVICE_FORMS` (auto, cpu, cuda, cuda:N), else a
+    :class:`DistConfigError` naming them; needs no GPU, so a config is checked before any runs."""
+    text = str(requested).strip()
+    if text in ("auto", "cpu", "cuda") or _CUDA_N.fullmatch(text):
+        return text
+    raise DistConfigError(f"device={requested!r} is not supported: use {DEVICE_FORMS} "
+                          "(e.g. device=cuda:0)")
+
+
 def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     """``auto`` picks CUDA when present; a CUDA device is bound from LOCAL_RANK."""
+    requested = check_device(requested)
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(requested)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise DistConfigError("device 'cuda' requested but CUDA is not available: use --device cpu")
+            raise DistConfigError(f"device {requested!r} requested but CUDA is not available: use --device cpu")
         n = torch.cuda.device_count()
         if dev.index is None:
             if local_rank >= n:
@@ -108,8 +122,9 @@ def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
                     f"LOCAL_RANK={local_rank} but only {n} CUDA device(s) are visible: "
                     f"use --nproc_per_node <= {n} or --device cpu")
             dev = torch.device("cuda", local_rank)
-    elif dev.type != "cpu":
-        raise DistConfigError(f"device {requested!r} is not supported: use cpu, cuda or auto")
+        elif dev.index >= n:
+            raise DistConfigError(f"device {requested!r} but only {n} CUDA device(s) are visible: "
+                                  f"use cuda:0 .. cuda:{n - 1}, cuda or auto")
     return dev
 
 
@@ -194,6 +209,10 @@ def distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
             f"timeout_s={timeout_s:g} ({type(e).__name__}: {first}): another rank stopped, died or cannot be "
             "reached; check every rank's log, GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME and the rendezvous "
             "address") from None
+    except BaseException:   # interrupted (Ctrl-C, SIGTERM) while the group formed: torn down too
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        raise
     try:
         yield DistContext(env=env, device=dev, backend=backend, timeout=timeout)
     finally:

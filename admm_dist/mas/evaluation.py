@@ -46,7 +46,7 @@ from admm_dist import tasks
 from admm_dist.core.errors import UserError
 from admm_dist.core.io import atomic_write_bytes, atomic_write_json, check_output_file, read_json
 from admm_dist.data import queries
-from admm_dist.engine.dist import resolve_device
+from admm_dist.engine.dist import check_device, resolve_device
 from admm_dist.mas import ChainConfig, ChainRunner, role_name
 from admm_dist.mas.judge import Judge
 from admm_dist.mas.seats import adapted_seats, parse_agent_models
@@ -113,14 +113,15 @@ def from_adapter(path: str, deploy: str, seats: Callable[[dict], List[int]]) -> 
     run_cfg = (read_json(seat_map, "seat map").get("config") or {}) if os.path.isfile(seat_map) else {}
     report = find_report([meta.get("report")] + run_reports(run_cfg, stem))
 
-    def vectors(adapter):
-        vec, _ = load_vector(path, expect=adapter)
+    def vectors(adapter):   # the file's backbone (its weight digest) must be the one loaded
+        vec, _ = load_vector(path, expect=adapter, backbone=True)
         return {s: vec for s in seats(run_cfg)}
     return Deploy(AdapterConfig.from_dict(ident["config"]), vectors, f"adapter {path}", run_cfg, report,
                   _keys(meta.get("anchor_keys")))
 
 
 def from_state(folder: str, deploy: str, n_agents: int, seats: Callable[[dict], List[int]]) -> Deploy:
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     sm = read_json(os.path.join(folder, "seat_map.json"), "seat map")
@@ -145,8 +146,14 @@ def from_state(folder: str, deploy: str, n_agents: int, seats: Callable[[dict], 
             raise UserError(f"--state {folder}: {os.path.basename(path)} (seat {seat}'s node) is missing")
         try:
             tensors = load_file(path)
+            with safe_open(path, framework="pt") as fh:
+                written = (fh.metadata() or {}).get("round")
         except Exception as exc:
             raise UserError(f"{path} is not a readable safetensors file ({type(exc).__name__})") from None
+        if written is not None and sm.get("round") is not None and str(sm["round"]) != written:
+            raise UserError(f"{path} holds round {written} but the run's seat_map.json is of round {sm['round']}: "
+                            "a stale file (its rank could not write the final one); finish the run with "
+                            "resume=auto first")
         if key not in tensors:
             raise UserError(f"{path} holds no {key!r} tensor (keys {sorted(tensors)}): not a node state file")
         return tensors[key]
@@ -163,6 +170,25 @@ def from_state(folder: str, deploy: str, n_agents: int, seats: Callable[[dict], 
 
 def _keys(value) -> Optional[List[str]]:
     return [str(k) for k in value] if isinstance(value, list) else None
+
+
+def report_task(rep: dict) -> Optional[str]:
+    """The task a training report's run trained on: its ``config.task`` when that is a registered
+    task, else (a run on a pre-built fit set, whose ``task`` is only a label such as ``fitset``)
+    the ``task`` its fit set was built from when that is one; else None (the task is unknown)."""
+    cfg = rep.get("config") if isinstance(rep.get("config"), dict) else {}
+    fit = rep.get("fitset_settings") if isinstance(rep.get("fitset_settings"), dict) else {}
+    return next((t for t in (cfg.get("task"), fit.get("task")) if isinstance(t, str) and t in tasks.REGISTRY),
+                None)
+
+
+def check_report_task(path: str, task: str) -> None:
+    """Refuse a ``--train_report`` of a run on another task than the one evaluated (its anchor keys
+    would not guard these rows); a report whose task is unknown (:func:`report_task`) is kept."""
+    theirs = report_task(read_json(path, "training report"))
+    if theirs is not None and theirs != task:
+        raise UserError(f"--train_report {path} is the report of a run on task {theirs}, but this evaluates "
+                        f"task {task}: pass the report of the {task} run (or --task {theirs})")
 
 
 def train_keys(path: str) -> List[str]:
@@ -191,6 +217,7 @@ def check_numbers(args) -> None:
         raise UserError("pass --adapter FILE or --state DIR, not both")
     if args.deploy == "local" and not args.state:
         raise UserError("--deploy local needs --state DIR (the training run's <out> folder)")
+    check_device(args.device)
 
 
 def prepare(args):
@@ -209,6 +236,8 @@ def prepare(args):
         raise UserError(f"--judge is for safety tasks; {args.task} is scored by its {spec.answer_type} answers")
     if spec.answer_type == "code":   # no sandbox, no scoring: say so before any model loads
         isolation()
+    if args.train_report:   # another task's report would guard nothing: say so before any work
+        check_report_task(args.train_report, args.task)
     n = args.n_agents
     if n < 1:
         raise UserError(f"--n_agents {n}: a chain needs at least one seat")
@@ -229,8 +258,11 @@ def prepare(args):
     chain = ChainConfig(n_agents=n, prompt=args.prompt, words=spec.words, think=args.think,
                         context_tokens=args.text_mas_context_length, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size)
-    rows = queries.evaluation_rows(queries.pool(args.task, seed=args.seed, split=args.split,
-                                                path=args.task_path), args.n, offset=args.offset)
+    items = queries.pool(args.task, seed=args.seed, split=args.split, path=args.task_path)
+    if args.offset >= len(items):   # rows [offset, end) would be empty: nothing to score
+        raise UserError(f"--offset {args.offset}: task {args.task} has {len(items)} rows in split "
+                        f"{args.split or 'eval'}: pass an --offset below {len(items)}")
+    rows = queries.evaluation_rows(items, args.n, offset=args.offset)
     report = args.train_report or (dep.report if dep else None)
     if report:
         queries.refuse_leaks(rows, train_keys(report), report=report)

@@ -338,8 +338,12 @@ class BOnlyLoRA:
 
         ``PeftModel.from_pretrained(fresh_backbone, folder)`` then computes what this adapter
         computes. The folder is written to a temporary sibling, fsynced, then renamed into
-        place (an existing folder is replaced). The adapter's own vector is left unchanged.
+        place (an existing folder is replaced). The folder and its files get the modes a plain
+        ``mkdir``/``open`` would give them (0777/0666 less the umask), so a serving account
+        can read them. The adapter's own vector is left unchanged.
         """
+        from admm_dist.core.io import current_umask
+
         folder = os.path.abspath(folder)
         if os.path.exists(folder) and not os.path.isdir(folder):
             raise AdapterError(f"export_peft: {folder} exists and is not a folder: choose another path")
@@ -352,9 +356,12 @@ class BOnlyLoRA:
                 saved = self.flat.detach().clone()
                 self.load_vector(vec)
             self.model.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
+            umask = current_umask()   # the modes a plain mkdir/open gives (mkdtemp's 0700, safetensors' 0600 not)
             for root, _, files in os.walk(tmp):
                 for fn in files:
+                    os.chmod(os.path.join(root, fn), 0o666 & ~umask)
                     _fsync_path(os.path.join(root, fn))
+                os.chmod(root, 0o777 & ~umask)
                 _fsync_path(root)
             if os.path.isdir(folder):
                 old = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.", suffix=".old", dir=parent)

@@ -2,8 +2,10 @@
 
 Files hold data, never code: :func:`save_vector` / :func:`load_vector` write and read a
 safetensors file with the flat vector under key ``"b"`` and JSON metadata (the adapter's
-identity: config, basis hash, layout, numel, plus the caller's fields), so loading a vector
-into a differently-built adapter is one clear :class:`AdapterError`.
+identity: config, basis hash, layout, numel, the backbone it was trained on, plus the caller's
+fields), so loading a vector into a differently-built adapter is one clear :class:`AdapterError`;
+``load_vector(..., backbone=True)`` also refuses a backbone of the same shape with other weights
+(:func:`backbone_identity`, :func:`check_backbone`).
 
 Every rank draws the same frozen A basis from ``lora_basis_seed``
 (:class:`~admm_dist.model.adapter.BOnlyLoRA`); :func:`check_same_basis` checks that the ranks'
@@ -13,11 +15,12 @@ Every rank draws the same frozen A basis from ``lora_basis_seed``
 
 :class:`AdapterError` (a :class:`~admm_dist.core.errors.UserError`) is defined here, below
 :mod:`admm_dist.model.adapter`, which imports this module and re-exports it. This module
-needs an adapter only through its ``numel`` and ``identity()``, so it never imports
+needs an adapter only through its ``numel``, ``identity()`` and ``model``, so it never imports
 :mod:`admm_dist.model.adapter` (only for type hints).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import Counter
@@ -60,6 +63,9 @@ def save_vector(path: str, vec: torch.Tensor, meta: Optional[Dict[str, Any]] = N
             raise AdapterError(f"save_vector: vector has {vec.numel()} values but the adapter has "
                                f"P={adapter.numel}")
         meta["adapter"] = adapter.identity()
+        backbone = backbone_identity(adapter)
+        if backbone is not None:
+            meta["adapter"]["backbone"] = backbone
     flat = vec.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
     try:
         meta_json = json.dumps(meta, allow_nan=False, sort_keys=True)
@@ -82,11 +88,14 @@ def canonical_header(blob: bytes) -> bytes:
     return len(text).to_bytes(8, "little") + text + blob[8 + n:]
 
 
-def load_vector(path: str, expect: Optional[BOnlyLoRA] = None) -> Tuple[torch.Tensor, Dict[str, Any]]:
+def load_vector(path: str, expect: Optional[BOnlyLoRA] = None, *,
+                backbone: bool = False) -> Tuple[torch.Tensor, Dict[str, Any]]:
     """Read a file written by :func:`save_vector`: returns (fp32 CPU vector, meta).
 
     With ``expect``, the file's adapter identity must match that adapter (config fields,
-    numel, basis hash, layout), else AdapterError names the field that differs.
+    numel, basis hash, layout), else AdapterError names the field that differs. With
+    ``backbone`` too, the backbone the file was trained on (:func:`backbone_identity`) must be
+    ``expect``'s: a backbone of the same shape with other weights is refused, naming both.
     """
     from safetensors import safe_open
 
@@ -128,7 +137,52 @@ def load_vector(path: str, expect: Optional[BOnlyLoRA] = None) -> Tuple[torch.Te
                            f"{header.get('numel')}: it is corrupt; re-create it")
     if expect is not None:
         _check_identity(path, meta.get("adapter"), expect)
+        if backbone:
+            check_backbone(path, meta["adapter"].get("backbone"), expect)
     return vec, meta
+
+
+BACKBONE_SAMPLES = 64   # values of each backbone tensor that its weight digest reads
+
+
+def backbone_identity(adapter: Any) -> Optional[Dict[str, Any]]:
+    """What a saved vector records of the backbone it was trained on: ``name`` (the folder or hub
+    id it was loaded from) and ``weights``, a sha256 of every frozen tensor's name, shape and
+    :data:`BACKBONE_SAMPLES` evenly spaced values rounded to bf16 (the same on CPU in fp32 and on
+    a GPU in bf16; cheap for an 8B model). Two backbones of one shape (a fine-tune, another
+    seed) differ in ``weights``. None for an adapter-like object without a ``model``."""
+    model = getattr(adapter, "model", None)
+    if model is None or not hasattr(model, "named_parameters"):
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = getattr(base, "name_or_path", None) or getattr(getattr(base, "config", None), "_name_or_path", None)
+    h = hashlib.sha256()
+    params = sorted((n.replace(".base_layer.", "."), p) for n, p in base.named_parameters()
+                    if "lora_" not in n and not p.is_meta)
+    for n, p in params:
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // BACKBONE_SAMPLES)
+        sample = flat[::step][:BACKBONE_SAMPLES].to("cpu").float().to(torch.bfloat16).float()
+        h.update(f"{n}:{tuple(p.shape)}:".encode())
+        h.update(sample.numpy().tobytes())
+    return {"name": str(name) if name else None, "weights": h.hexdigest()}
+
+
+def check_backbone(path: str, theirs: Any, adapter: BOnlyLoRA) -> None:
+    """Refuse a file trained on another backbone than ``adapter``'s (by :func:`backbone_identity`'s
+    weight digest), naming both. A file that records no backbone (written before it was recorded)
+    is accepted: only its shape can be checked."""
+    if not isinstance(theirs, dict) or not theirs.get("weights"):
+        return
+    mine = backbone_identity(adapter)
+    if mine is None or mine["weights"] == theirs["weights"]:
+        return
+    trained = f"{theirs.get('name') or 'an unnamed backbone'} (weights {str(theirs['weights'])[:12]})"
+    loaded = f"{mine['name'] or 'an unnamed backbone'} (weights {mine['weights'][:12]})"
+    same = " (same name, other weights)" if theirs.get("name") == mine["name"] else ""
+    hint = f" (--model_name {theirs['name']})" if theirs.get("name") else ""
+    raise AdapterError(f"{path} was trained on backbone {trained} but the loaded backbone is {loaded}{same}: "
+                       f"load it on the backbone it was trained on{hint}")
 
 
 def _check_identity(path: str, ident: Any, adapter: BOnlyLoRA) -> None:

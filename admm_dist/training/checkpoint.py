@@ -4,24 +4,28 @@ Layout, under ``<out>.ckpt/``::
 
     round-000012/node-3.safetensors   x, z, u, Adam moments, torch RNG state(s)
     round-000012/node-3.json          round, config fingerprint, Adam step, sampler
-                                      state, Python RNG state, telemetry so far
+                                      state, history so far, the settings that may change
+                                      on resume, and the sha256 of both files
 
 Each file is written atomically (temporary file, fsync, rename) and the JSON
 file is written last: its presence marks the node's checkpoint of that round
-as complete. Every JSON file carries the run's fingerprint (its semantic settings and
+as complete. Loading verifies both checksums and the layout, so a flipped bit or a
+hand-edited file is refused, naming the file, instead of resuming to a different result. Every JSON file carries the run's fingerprint (its semantic settings and
 the content of its fit set and initial state): a round counts for a run only when every
 node's file carries that run's fingerprint, so one run never resumes from, or prunes,
 another's checkpoints. ``resume auto`` restarts from the last round that *every* node
 completed, agreed across ranks through the communicator; only the last ``keep`` rounds
-are kept. Nothing is pickled.
+that every rank has completed are kept (a rank never prunes a round another rank still needs).
+Nothing is pickled.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from safetensors.torch import load as st_load
@@ -45,12 +49,33 @@ def round_dir(root: str, k: int) -> str:
     return os.path.join(root, f"round-{k:06d}")
 
 
+def _meta_digest(meta: Mapping[str, object]) -> str:
+    """sha256 of a checkpoint JSON's content without its own ``meta_sha256`` (canonical form)."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=False).encode()).hexdigest()
+
+
 def save_node(root: str, k: int, node: int, tensors: Mapping[str, torch.Tensor],
-              meta: Mapping[str, object]) -> None:
+              meta: Mapping[str, object], *, hook: Optional[Callable[[str], None]] = None) -> None:
+    """Write node ``node``'s checkpoint of round ``k``: tensors first, then the JSON marker that
+    carries both files' sha256. ``hook`` (tests only, :mod:`admm_dist.testing.faults`) is called
+    at each write point (:data:`admm_dist.testing.faults.POINTS`): "tensors" (nothing written yet),
+    "tensors-renaming" (the tensors' temporary written, not renamed), "tensors-written",
+    "json-renaming" (the marker's temporary written, not renamed), "json-written"."""
     folder = round_dir(root, k)
+    remove_orphans(folder, [node])
     data = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-    atomic_write_bytes(os.path.join(folder, f"node-{node}.safetensors"), st_save(data))
-    atomic_write_json(os.path.join(folder, f"node-{node}.json"), dict(meta, round=k, node=node))
+    blob = st_save(data)
+    say = hook or (lambda point: None)
+    say("tensors")
+    atomic_write_bytes(os.path.join(folder, f"node-{node}.safetensors"), blob,
+                       before_rename=lambda: say("tensors-renaming"))
+    say("tensors-written")
+    record = dict(meta, round=k, node=node, tensors_sha256=hashlib.sha256(blob).hexdigest())
+    record["meta_sha256"] = _meta_digest(record)
+    atomic_write_json(os.path.join(folder, f"node-{node}.json"), record,
+                      before_rename=lambda: say("json-renaming"))
+    say("json-written")
 
 
 def all_rounds(root: str) -> List[int]:
@@ -63,7 +88,8 @@ def all_rounds(root: str) -> List[int]:
 def _fingerprint_of(path: str) -> Optional[str]:
     try:
         with open(path) as fh:
-            return json.load(fh).get("fingerprint")
+            fp = json.load(fh).get("fingerprint")
+        return fp if isinstance(fp, str) else None
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -81,33 +107,106 @@ def completed_rounds(root: str, nodes: Sequence[int], fingerprint: Optional[str]
     return out
 
 
+def foreign_rounds(root: str, fingerprint: str) -> List[int]:
+    """Rounds holding a node marker (of any node) that names another run's fingerprint."""
+    out = []
+    for k in all_rounds(root):
+        folder = round_dir(root, k)
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        marks = [n for n in names if n.startswith("node-") and n.endswith(".json")]
+        if any(_fingerprint_of(os.path.join(folder, n)) != fingerprint for n in marks):
+            out.append(k)
+    return out
+
+
+# What a checkpoint must hold: tensor name -> dtype (None: any float), and JSON key -> type(s).
+TENSORS = {"x": None, "z": None, "u": None, "rng_cpu": torch.uint8}
+META = {"fingerprint": str, "adam_step": (int, float), "sampler": (dict, type(None)), "history": list,
+        "dev_curve": list, "rho": (int, float), "best": (list, type(None)), "round": int, "node": int,
+        "resumable": dict}
+
+
+def _check_layout(where: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]) -> None:
+    for name, dtype in TENSORS.items():
+        t = tensors.get(name)
+        if t is None or (dtype is not None and t.dtype != dtype) or (dtype is None and not t.is_floating_point()):
+            raise CheckpointError(f"checkpoint {where} lacks a valid tensor {name!r}: the file is damaged or "
+                                  "from another version; delete that round folder to resume from the one before")
+    for key, types in META.items():
+        if key not in meta or not isinstance(meta[key], types) or isinstance(meta[key], bool):
+            raise CheckpointError(f"checkpoint {where} lacks a valid {key!r} (found {type(meta.get(key)).__name__}): "
+                                  "the file is damaged or from another version; delete that round folder to "
+                                  "resume from the one before")
+    best = meta["best"]
+    if best is not None and ("best_z" not in tensors or len(best) != 2):
+        raise CheckpointError(f"checkpoint {where} names a best round but lacks its tensor: delete that round "
+                              "folder to resume from the one before")
+
+
 def load_node(root: str, k: int, node: int, fingerprint: str) -> Tuple[Dict[str, torch.Tensor], Dict]:
+    """Node ``node``'s checkpoint of round ``k``, verified: both checksums, the fingerprint and the
+    layout. Any problem is a :class:`CheckpointError` naming the file and the fix."""
     folder = round_dir(root, k)
     jpath = os.path.join(folder, f"node-{node}.json")
     tpath = os.path.join(folder, f"node-{node}.safetensors")
+    damaged = "delete that round folder to resume from the one before"
     try:
-        with open(jpath) as fh:
-            meta = json.load(fh)
+        with open(jpath, "rb") as fh:
+            meta = json.loads(fh.read().decode("utf-8"))
         with open(tpath, "rb") as fh:
-            tensors = st_load(fh.read())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint of node {node} at round {k} is missing in {folder}: "
-                              "start without --resume or from another --out") from None
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {folder}/node-{node} is corrupt ({type(e).__name__}): "
-                              "delete that round folder to resume from the one before") from None
+            blob = fh.read()
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint of node {node} at round {k} is missing ({e.filename}): "
+                              "start without resume=auto or choose another out=") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {jpath} is not valid JSON ({type(e).__name__}): {damaged}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {jpath} is not a JSON object: {damaged}")
     if meta.get("fingerprint") != fingerprint:
         raise CheckpointError(
             f"checkpoint {folder} was written by another configuration (fingerprint "
             f"{meta.get('fingerprint')} != {fingerprint}): resume with the same settings, "
-            "or use a new --out")
+            "or use a new out=")
+    if meta.get("meta_sha256") != _meta_digest(meta):
+        raise CheckpointError(f"checkpoint {jpath} fails its checksum (its content changed after it was "
+                              f"written): {damaged}")
+    if meta.get("tensors_sha256") != hashlib.sha256(blob).hexdigest():
+        raise CheckpointError(f"checkpoint {tpath} fails its checksum (sha256 differs from the one in "
+                              f"node-{node}.json): {damaged}")
+    try:
+        tensors = st_load(blob)
+    except Exception as e:   # safetensors raises its own types for a damaged header
+        raise CheckpointError(f"checkpoint {tpath} is not a readable safetensors file "
+                              f"({type(e).__name__}): {damaged}") from None
+    _check_layout(f"{folder}/node-{node}", tensors, meta)
     return tensors, meta
 
 
-def prune(root: str, nodes: Sequence[int], keep: int, fingerprint: str) -> None:
-    """Delete this process's node files from all but the newest ``keep`` complete rounds of
-    this run (``fingerprint``); other runs' files are never touched."""
-    rounds = completed_rounds(root, nodes, fingerprint)
+def remove_orphans(folder: str, nodes: Sequence[int]) -> None:
+    """Remove the temporaries a killed write of ``nodes``' files left in ``folder`` (only these
+    nodes': another rank may be writing its own right now)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    mine = tuple(f".node-{n}.{ext}." for n in nodes for ext in ("json", "safetensors"))
+    for name in names:
+        if name.endswith(".tmp") and name.startswith(mine):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
+def prune(root: str, nodes: Sequence[int], keep: int, fingerprint: str, *, upto: int) -> None:
+    """Delete this process's node files from this run's complete rounds older than the newest
+    ``keep`` of those up to ``upto``, the newest round *every* rank has completed (the caller
+    agrees it across ranks): a round another rank may still need is never pruned. Other runs'
+    files are never touched; temporaries of a killed write go with their round."""
+    rounds = [k for k in completed_rounds(root, nodes, fingerprint) if k <= upto]
     for k in rounds[:-keep] if keep > 0 else []:
         folder = round_dir(root, k)
         for n in nodes:
@@ -115,6 +214,7 @@ def prune(root: str, nodes: Sequence[int], keep: int, fingerprint: str) -> None:
                 p = os.path.join(folder, f"node-{n}{ext}")
                 if os.path.exists(p):
                     os.unlink(p)
+        remove_orphans(folder, nodes)
         try:
             os.rmdir(folder)  # succeeds once every node's files are gone
         except OSError:

@@ -32,6 +32,7 @@ from admm_dist.data.derive import FIT_FILTERS
 from admm_dist.data.fitset import PARTITION_MODES
 from admm_dist.engine.admm import ADMMConfig
 from admm_dist.engine.comm import COMM_BACKENDS, MODES, TOPOLOGIES
+from admm_dist.engine.dist import DEVICE_FORMS, check_device
 from admm_dist.mas.chain import ChainConfig
 from admm_dist.mas.collection import LATER_KEYS, Collector
 from admm_dist.mas.prompts import prompt_modes, role_name
@@ -49,6 +50,10 @@ NON_SEMANTIC = frozenset({
     "vllm_max_model_len", "vllm_kv_cache_gib", "vllm_gpu_memory_utilization",
     "report_to", "tracking_dir", "wandb_project", "wandb_mode",
 })
+# Keys that change what is computed but may change when a run resumes (a step size that made the
+# iterates non-finite is lowered and the run continues): left out of the fingerprint, recorded in
+# every checkpoint, and a resumed run says which changed (docs/outputs.md).
+RESUMABLE = ("eta", "grad_clip")
 # The later keys (mas/collection.py) a checkpoint's fingerprint leaves out at their old value:
 # prefix_samples entered the fingerprint together with the key (always), only fit-set keys later.
 FINGERPRINT_LATER = {k: v for k, v in LATER_KEYS.items() if k != "prefix_samples"}
@@ -66,8 +71,8 @@ class TrainConfig:
     task: str = key("fitset", f"the task to collect on-policy from ({', '.join(sorted(tasks.REGISTRY))}); "
                     "with a pre-built --fitset_cache only a label", group=SYSTEM)
     model_name: str = key("Qwen/Qwen3-8B", "the backbone: a local folder or a hub id", group=SYSTEM)
-    device: str = key("auto", "auto (CUDA when present), cpu or cuda; under torchrun a rank takes "
-                      "cuda:LOCAL_RANK", group=SYSTEM)
+    device: str = key("auto", f"{DEVICE_FORMS}: auto takes CUDA when present; under torchrun a rank "
+                      "given cuda or auto takes cuda:LOCAL_RANK", metavar="DEVICE", group=SYSTEM)
     seed: int = key(42, "the run's seed: query shuffle, rollouts, minibatches and the LoRA basis", group=SYSTEM)
     n_agents: int = from_component(ChainConfig, "n_agents", group=SYSTEM)
     adapt_roles: str = key("all", "seats that carry a trainable adapter: all, nonsink (all but the last), "
@@ -158,9 +163,10 @@ class TrainConfig:
     k_outer: int = key(20, "ADMM rounds T", group=ADMM)
     local_steps: int = key(16, "local Adam steps L per x-step", group=ADMM)
     batch_size: int = key(8, "examples per local Adam step", group=ADMM)
-    eta: float = key(1e-3, "Adam learning rate", group=ADMM)
+    eta: float = key(1e-3, "Adam learning rate (may change on resume=auto)", group=ADMM)
     rho: float = from_component(ADMMConfig, "rho", group=ADMM)
-    grad_clip: float = key(0.01, "clip each local step's gradient to this norm", group=ADMM)
+    grad_clip: float = key(0.01, "clip each local step's gradient to this norm (may change on resume=auto)",
+                           group=ADMM)
     consensus: str = key("ring", "how the z-step averages: coordinator (one all_reduce), ring (ring "
                          "all-reduce on send/recv), gossip (neighbour mixing on --topology; inexact)",
                          choices=MODES, group=ADMM)
@@ -197,6 +203,7 @@ class TrainConfig:
         self.objective_config()
         self.chain_config()
         self.tracking_config()
+        check_device(self.device)   # auto, cpu, cuda or cuda:N: refused here, not once the run starts
         # the run's own choices (and the collector's), from each key's choice list
         for f in dataclasses.fields(self):
             value, choices = getattr(self, f.name), f.metadata["choices"]
@@ -325,7 +332,7 @@ class TrainConfig:
     def fingerprint(self) -> str:
         """Hash of every setting that changes what is computed (for checkpoints)."""
         d = {k: v for k, v in self.as_dict().items()
-             if k not in NON_SEMANTIC and FINGERPRINT_LATER.get(k, object()) != v}
+             if k not in NON_SEMANTIC and k not in RESUMABLE and FINGERPRINT_LATER.get(k, object()) != v}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -1,13 +1,17 @@
 """A run's outputs (DESIGN.md section 7): the paths checked before any work, the result files
 written at the end, and the training report.
 
-- Before anything loads, :meth:`RunOutputs.check` refuses unwritable paths and a fresh run that
-  would mix with another run's files (every rank checks; every rank stops on any problem).
+- Before anything loads, :meth:`RunOutputs.check` locks the run's paths for its lifetime
+  (:mod:`admm_dist.core.lock`), refuses unwritable paths, a fresh run that would mix with
+  another run's files and another run's report under the same name (every rank checks; every
+  rank stops on any problem). :meth:`RunOutputs.clear_old_run` removes an overwritten run's
+  files only once everything has been checked and loaded.
 - At the end, :meth:`RunOutputs.write_results` writes ``<out>/node-<i>.safetensors`` (x, z, u
-  per node), ``<out>/seat_map.json``, ``<out>/config.yaml``, ``<out>-last.safetensors`` (the
-  consensus z), ``<out>-best.safetensors`` (the lowest held-out NLL) and ``<out>-last-peft/``.
-- :meth:`RunOutputs.write_report` writes ``<report_dir>/<name>-train.json``; a refused,
-  preempted or dry run writes ``<name>-train-<kind>.json`` beside it, never over it.
+  per node), ``<out>/seat_map.json``, ``<out>/config.yaml``, ``<report_dir>/<name>-train.json``,
+  ``<out>-best.safetensors`` (the lowest held-out NLL), ``<out>-last-peft/`` and
+  ``<out>-last.safetensors`` (the consensus z): staged, agreed by every rank, then renamed.
+- :meth:`RunOutputs.write_report` writes a refused, preempted or dry run's report to
+  ``<name>-train-<kind>.json``, beside ``<name>-train.json`` and never over it.
 - :meth:`RunOutputs.open_tracker` opens ``report_to``'s trackers in ``tracking_dir``
   (:mod:`~admm_dist.training.tracking`); a fresh run refuses a folder holding another run's
   TensorBoard events unless ``overwrite=true``, which removes them.
@@ -15,16 +19,20 @@ written at the end, and the training report.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
+import shutil
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
 from safetensors.torch import save as st_save
 
 from admm_dist.core.config_file import dump_yaml
-from admm_dist.core.errors import UserError
+from admm_dist.core.errors import RunError, UserError
 from admm_dist.core.io import atomic_write_bytes, atomic_write_json
+from admm_dist.core.staging import Staged
+from admm_dist.core.lock import LockedError, OutputLock
 from admm_dist.model.vectors import save_vector
 from admm_dist.training import checkpoint as ckpt
 from admm_dist.training.config import TrainConfig
@@ -50,33 +58,84 @@ class RunOutputs:
         self.cfg = cfg
         self.rank = rank
         self.talk = talk
+        self.lock: Optional[OutputLock] = None   # rank 0's, from check() to release()
 
     # ------------------------------------------------------------------ before any work
     def check(self, comm: "Communicator", n_local: int) -> None:
-        """Every output path is writable, and a fresh run does not mix with another run's files.
+        """Lock the run's paths, then check that every output path is writable and that a fresh
+        run does not mix with another run's files (every rank checks; every rank stops on any
+        problem; nothing is removed here: see :meth:`clear_old_run`).
 
-        A fresh run (``resume=never``) into an ``out`` that holds checkpoints or results is
-        refused unless ``overwrite=true`` (then the checkpoints go at once and the results when
-        this run's replace them); ``resume=auto`` with results but no checkpoints is refused the
-        same way.
+        Rank 0 locks ``<out>.lock`` and ``<report_dir>/<name>-train.lock`` for the whole run, so
+        a second run into the same ``out`` (or under the same report name) is refused while this
+        one lives. A fresh run (``resume=never``) into an ``out`` that holds checkpoints or
+        results is refused unless ``overwrite=true``; ``resume=auto`` with results but no
+        checkpoints is refused the same way; a report of another run under this name is refused.
         """
-        cfg = self.cfg
-        problem = self.problem()
+        problem = self.problem()    # paths first: the lock creates folders
+        if problem is None and self.rank == 0:
+            try:
+                self.lock = self.make_lock().acquire()
+            except LockedError as e:
+                problem = str(e)
+            else:
+                problem = self.problem()   # again, under the lock: a run that just finished counts
         table = comm.gather_rows(torch.tensor([[float(problem is not None)]] * n_local, dtype=torch.float64))
         if problem is not None:
             raise UserError(problem)
         if table.max().item() > 0:
             raise UserError("another rank found a problem with the output paths (see its message)")
-        if cfg.overwrite and self.rank == 0 and os.path.isdir(ckpt.ckpt_root(cfg.out)):
-            ckpt.remove_all(ckpt.ckpt_root(cfg.out))
-            self.talk(f"overwrite: removed the checkpoints in {ckpt.ckpt_root(cfg.out)}")
-        stale = event_files(self.tracking_folder()) if "tensorboard" in self.tracking.active else []
-        if cfg.overwrite and self.rank == 0 and stale:
+        for note in self.lock.notes if self.lock else []:
+            self.talk(note)
+
+    def make_lock(self) -> OutputLock:
+        cfg = self.cfg
+        report = os.path.join(cfg.report_dir, os.path.basename(cfg.out) + "-train")
+        return OutputLock([(cfg.out, f"out={cfg.out}", "another out="),
+                           (report, f"the report name {report}.json", "another report_dir= or out= name")])
+
+    def release(self) -> None:
+        """Give up the locks (the run has ended, however it ended)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def clear_old_run(self, comm: "Communicator", n_local: int) -> None:
+        """With ``overwrite=true``, once every check has passed and everything has loaded:
+        remove the old run's checkpoints, TensorBoard events and refused/preempted/dry-run
+        reports. Its results stay until this run's replace them (:meth:`write_results`), so a
+        new run that is refused leaves them in place."""
+        cfg = self.cfg
+        if not cfg.overwrite or cfg.dry_run:
+            return
+        if self.rank == 0:
+            root = ckpt.ckpt_root(cfg.out)
+            if os.path.isdir(root):
+                ckpt.remove_all(root)
+                self.talk(f"overwrite: removed the checkpoints in {root}")
+            stale = event_files(self.tracking_folder())
             for path in stale:
                 os.unlink(path)
-            self.talk(f"overwrite: removed {len(stale)} TensorBoard event file(s) in {self.tracking_folder()}")
-        if cfg.overwrite:
-            comm.gather_rows(torch.zeros(n_local, 1, dtype=torch.float64))  # removal seen by all
+            if stale:
+                self.talk(f"overwrite: removed {len(stale)} TensorBoard event file(s) in {self.tracking_folder()}")
+            for kind in ("refused", "preempted", "dryrun"):
+                if os.path.isfile(self.report_path(kind)):
+                    os.unlink(self.report_path(kind))
+        comm.gather_rows(torch.zeros(n_local, 1, dtype=torch.float64))  # removal seen by all
+
+    def report_owner(self) -> Optional[str]:
+        """The report of another run under this run's report name (its path and out), or None."""
+        mine = os.path.abspath(self.cfg.out)
+        for kind in (None, "refused", "preempted", "dryrun"):
+            path = self.report_path(kind)
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    owner = json.load(fh).get("out_path")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(owner, str) and owner != mine:
+                return f"{path} (out={owner})"
+        return None
 
     def problem(self) -> Optional[str]:
         """What is wrong with this rank's output paths, or None."""
@@ -103,6 +162,10 @@ class RunOutputs:
                            (out + "-last-peft", "folder")):
             if os.path.exists(path) and (os.path.isdir(path) != (kind == "folder")):
                 return f"{path} exists and is not a {kind}: move it away or choose another out="
+        other = self.report_owner()
+        if other:
+            return (f"report_dir {cfg.report_dir} holds the report of another run named alike, {other}: "
+                    "choose another report_dir= or another name in out=")
         if cfg.dry_run or cfg.overwrite:
             return None
         rounds = ckpt.all_rounds(root)
@@ -157,45 +220,131 @@ class RunOutputs:
     # ------------------------------------------------------------------ at the end
     def write_results(self, *, engine: "ADMMEngine", comm: "Communicator", nodes: Sequence[int],
                       adapter: "BOnlyLoRA", report: TrainReport, best: Optional["BestRound"],
-                      deploy_local: bool) -> None:
+                      deploy_local: bool, fingerprint: str) -> None:
+        """Write the results and the report, agreed by every rank: all of them, or none.
+
+        1. Every rank writes its node files, and rank 0 the seat map, the config, the report,
+           ``-best``, the PEFT folder and ``-last``, each to a staged path beside its own.
+        2. The ranks agree: if any rank failed, every rank removes what it staged and stops
+           (the failing rank names the path; the others say a peer failed), and nothing in
+           ``out`` is replaced.
+        3. Every rank renames its staged files into place; rank 0 renames ``-last`` last, and
+           removes the old run's result files this run does not write (``-best`` of a run with
+           a dev split, the PEFT folder, extra node files). A failure here is agreed on too,
+           so rank 0 never reports ``done`` alone.
+        """
         cfg = self.cfg
+        staged = Staged()
+        failed: Optional[BaseException] = None
+        written: List[str] = []
+        try:
+            for j, node in enumerate(nodes):
+                self._remove_orphans(cfg.out, [f"node-{node}.safetensors"])
+                tensors = {k: v.detach().cpu().contiguous() for k, v in
+                           (("x", engine.x[j]), ("z", engine.z[j]), ("u", engine.u[j]))}
+                blob = st_save(tensors, metadata={"round": str(engine.round), "fingerprint": fingerprint,
+                                                  "node": str(node)})
+                atomic_write_bytes(staged.file(os.path.join(cfg.out, f"node-{node}.safetensors")), blob)
+            if self.rank == 0:
+                written = self._stage_rank0(staged, engine=engine, comm=comm, adapter=adapter, report=report,
+                                            best=best, deploy_local=deploy_local)
+        except Exception as exc:   # every rank must hear of it before anything is replaced
+            failed = exc
+        self._agree(comm, len(nodes), failed, staged,
+                    "a peer rank could not write its results (see its message): nothing in out= was replaced "
+                    "and the last checkpoint is kept; fix that and rerun with resume=auto")
+        try:
+            staged.commit()
+            if self.rank == 0:
+                self._remove_stale(comm.n_nodes, written)
+        except OSError as exc:
+            failed = exc
+        self._agree(comm, len(nodes), failed, staged,
+                    "a peer rank could not move its results into place (see its message): the results in "
+                    "out= are incomplete; fix that and rerun with resume=auto (the last checkpoint is kept)")
+        for path in written:
+            self.talk(f"wrote {path}")
+
+    def _agree(self, comm: "Communicator", n_local: int, failed: Optional[BaseException], staged: Staged,
+               peer_message: str) -> None:
+        table = comm.gather_rows(torch.tensor([[float(failed is not None)]] * n_local, dtype=torch.float64))
+        if failed is not None or table.max().item() > 0:
+            staged.discard()
+        if failed is not None:
+            raise failed
+        if table.max().item() > 0:
+            raise RunError(peer_message)
+
+    def _stage_rank0(self, staged: Staged, *, engine: "ADMMEngine", comm: "Communicator", adapter: "BOnlyLoRA",
+                     report: TrainReport, best: Optional["BestRound"], deploy_local: bool) -> List[str]:
+        """Rank 0's result files, staged; the final paths, in the order they will be renamed."""
+        cfg = self.cfg
+        out = cfg.out
+        self._remove_orphans(out, ["seat_map.json", "config.yaml"])
+        self._remove_orphans(os.path.dirname(os.path.abspath(out)),
+                             [os.path.basename(out) + s for s in ("-last.safetensors", "-best.safetensors")])
         meta = {"config": cfg.as_dict(), "seats": cfg.adapted_seats(),
                 "roles": [cfg.role(s) for s in cfg.adapted_seats()],
-                "n_nodes": comm.n_nodes}
-        for j, node in enumerate(nodes):
-            path = os.path.join(cfg.out, f"node-{node}.safetensors")
-            atomic_write_bytes(path, st_save({k: v.detach().cpu().contiguous() for k, v in
-                                              (("x", engine.x[j]), ("z", engine.z[j]), ("u", engine.u[j]))}))
-        if self.rank != 0:
-            return
-        for stale in (k for k in self.node_files() if k >= comm.n_nodes):   # an overwritten run's extras
-            os.unlink(os.path.join(cfg.out, f"node-{stale}.safetensors"))
+                "n_nodes": comm.n_nodes, "round": engine.round}
         anchor_keys = list(report.get("anchor_keys") or [])
-        atomic_write_json(os.path.join(cfg.out, "seat_map.json"),
+        atomic_write_json(staged.file(os.path.join(out, "seat_map.json")),
                           dict(meta, deploy_required="local" if deploy_local else None,
                                anchor_keys=anchor_keys,
                                node_of_seat={str(s): (0 if cfg.pooled else i)
                                              for i, s in enumerate(cfg.adapted_seats())}))
-        atomic_write_bytes(os.path.join(cfg.out, "config.yaml"), dump_yaml(cfg).encode())
-        if cfg.local_only:
-            self.talk(f"wrote {cfg.out}/ (local-only: deploy each node's x_i per seat)")
-            return
+        atomic_write_bytes(staged.file(os.path.join(out, "config.yaml")), dump_yaml(cfg).encode())
+        written = [f"{out}/"]
         z = engine.z[0]
         # A copied adapter keeps the leakage check: it carries the training queries' keys.
         trained_on = {"anchor_keys": anchor_keys, "report": os.path.abspath(self.report_path())}
-        save_vector(cfg.out + "-last.safetensors", z,
-                    {"selection": "final consensus variable z", "round": engine.round,
-                     "deploy_required": "local" if deploy_local else None, **trained_on}, adapter=adapter)
-        self.talk(f"wrote {cfg.out}-last.safetensors")
+        if best is not None and not cfg.local_only:
+            report.best = {"round": best.round, "dev_nll": best.dev_nll}
+        atomic_write_json(staged.file(self.report_path()), report.as_dict())
+        written.append(self.report_path())
+        if cfg.local_only:
+            return written
         if best is not None:
-            save_vector(cfg.out + "-best.safetensors", best.z,
+            save_vector(staged.file(out + "-best.safetensors"), best.z,
                         {"selection": "lowest held-out NLL", "round": best.round,
                          "dev_nll": best.dev_nll, **trained_on}, adapter=adapter)
-            report.best = {"round": best.round, "dev_nll": best.dev_nll}
-            self.talk(f"wrote {cfg.out}-best.safetensors (round {best.round})")
+            written.append(out + "-best.safetensors")
         if cfg.export_peft:
-            adapter.export_peft(cfg.out + "-last-peft", z)
-            self.talk(f"wrote {cfg.out}-last-peft/")
+            adapter.export_peft(staged.folder(out + "-last-peft"), z)
+            written.append(out + "-last-peft/")
+        save_vector(staged.file(out + "-last.safetensors"), z,
+                    {"selection": "final consensus variable z", "round": engine.round,
+                     "deploy_required": "local" if deploy_local else None, **trained_on}, adapter=adapter)
+        written.append(out + "-last.safetensors")
+        return written
+
+    def _remove_stale(self, n_nodes: int, written: Sequence[str]) -> None:
+        """The old run's result files that this run did not write (it replaced the others)."""
+        out = self.cfg.out
+        for stale in (k for k in self.node_files() if k >= n_nodes):
+            os.unlink(os.path.join(out, f"node-{stale}.safetensors"))
+        for path in (out + "-best.safetensors", out + "-last-peft/", out + "-last.safetensors"):
+            if path not in written and os.path.lexists(path.rstrip("/")):
+                if os.path.isdir(path.rstrip("/")):
+                    shutil.rmtree(path.rstrip("/"))
+                else:
+                    os.unlink(path)
+                self.talk(f"removed {path.rstrip('/')}, an older result this run does not replace")
+
+    @staticmethod
+    def _remove_orphans(folder: str, names: Sequence[str]) -> None:
+        """Temporaries a killed write of ``names`` left in ``folder`` (this run holds the lock)."""
+        try:
+            entries = os.listdir(folder)
+        except OSError:
+            return
+        prefixes = tuple(f".{n}." for n in names) + tuple(f"..{n}.staged." for n in names)
+        for entry in entries:
+            if entry.startswith(prefixes) and entry.endswith((".tmp", ".staged", ".staged.old")):
+                path = os.path.join(folder, entry)
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
 
     def node_files(self) -> List[int]:
         names = os.listdir(self.cfg.out) if os.path.isdir(self.cfg.out) else []

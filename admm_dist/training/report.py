@@ -48,6 +48,8 @@ class TrainReport:
     basis_hash: str = UNSET
     dev_curve: List[Dict[str, float]] = UNSET      # {"round", "dev_nll"} of the consensus z
     preempted_after_round: int = UNSET
+    resumed: Dict[str, Any] = UNSET                # {"after_round", "changed": {key: [then, now]}}
+    out_path: str = UNSET                          # the absolute out= (a report belongs to one run)
     rounds: List[Dict[str, Any]] = UNSET           # RoundRecord.as_dict per round
     loss_curve: List[List[float]] = UNSET
     normalized_primal_residual_curve: List[List[float]] = UNSET

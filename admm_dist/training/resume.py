@@ -11,23 +11,28 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
 
 import torch
 
-from admm_dist.core.errors import UserError
 from admm_dist.engine.admm import RoundRecord
 from admm_dist.training import checkpoint as ckpt
 from admm_dist.training.checkpoint import CheckpointError
-from admm_dist.training.config import TrainConfig
+from admm_dist.training.config import RESUMABLE, TrainConfig
 from admm_dist.training.report import TrainReport
 from admm_dist.training.state import BestRound, NodeState
 
 if TYPE_CHECKING:
     from admm_dist.engine.admm import ADMMEngine
     from admm_dist.engine.comm import Communicator
+    from admm_dist.testing.faults import FaultPlan
 
 
-def save_round(root: str, *, engine: "ADMMEngine", nodes: Sequence[int], state: Dict[int, NodeState],
-               param: torch.Tensor, fingerprint: str, report: TrainReport, best: Optional[BestRound],
-               keep: int) -> None:
-    """Every node of this rank writes round ``engine.round``; older rounds are pruned to ``keep``."""
+def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: Sequence[int],
+               state: Dict[int, NodeState], param: torch.Tensor, fingerprint: str, report: TrainReport,
+               best: Optional[BestRound], keep: int, resumable: Dict[str, float],
+               faults: Optional["FaultPlan"] = None) -> None:
+    """Every node of this rank writes round ``engine.round``; then the ranks agree on the newest
+    round all of them completed, and only then prune to ``keep`` rounds up to it.
+
+    A rank killed while writing leaves the others waiting in that agreement (they fail with the
+    dead peer), so no rank ever prunes the last round every rank completed."""
     k = engine.round
     history = [r.as_dict() for r in engine.history]
     for j, node in enumerate(nodes):
@@ -42,19 +47,25 @@ def save_round(root: str, *, engine: "ADMMEngine", nodes: Sequence[int], state: 
                 "sampler": st.sampler.state_dict() if st.sampler else None, "history": history,
                 "dev_curve": report.get("dev_curve", []),
                 "rho": engine.state_dict()["rho"],
-                "best": None if best is None else best.meta()}
+                "best": None if best is None else best.meta(),
+                "resumable": dict(resumable)}
         if best is not None:
             tensors["best_z"] = best.z
-        ckpt.save_node(root, k, node, tensors, meta)
-    ckpt.prune(root, nodes, keep, fingerprint)
+        ckpt.save_node(root, k, node, tensors, meta,   # faults: tests only, a kill inside this write
+                       hook=None if faults is None else (lambda point, n=node: faults.in_checkpoint(k, n, point)))
+    mine = ckpt.completed_rounds(root, nodes, fingerprint)
+    table = comm.gather_rows(torch.tensor([[float(mine[-1] if mine else 0)]] * len(nodes), dtype=torch.float64))
+    ckpt.prune(root, nodes, keep, fingerprint, upto=int(table[:, 0].min().item()))
 
 
 def agreed_round(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int], rank: int,
                  fingerprint: str) -> int:
     """The last round every rank completed under this run's fingerprint (0: none)."""
     root = ckpt.ckpt_root(cfg.out)
+    for k in ckpt.all_rounds(root):    # temporaries of a killed write: never read, removed now
+        ckpt.remove_orphans(ckpt.round_dir(root, k), nodes)
     mine = ckpt.completed_rounds(root, nodes, fingerprint)
-    foreign = bool(ckpt.all_rounds(root)) and not mine
+    foreign = bool(ckpt.foreign_rounds(root, fingerprint))
     row = [float(mine[-1] if mine else 0), float(foreign), float(mine[-1] if mine else 0)]
     table = comm.gather_rows(torch.tensor([row] * len(nodes), dtype=torch.float64))
     agreed, newest = int(table[:, 0].min().item()), int(table[:, 2].max().item())
@@ -68,8 +79,9 @@ def agreed_round(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int], r
             f"resume auto: the checkpoints in {root} reach round {newest}, beyond k_outer={cfg.k_outer}: "
             f"pass k_outer={newest} or more to continue that run, or choose a new out=")
     if agreed and agreed not in mine:
-        raise UserError(f"resume auto: round {agreed} is the last every rank completed but rank "
-                        f"{rank} no longer has it (--keep_checkpoints too small)")
+        raise CheckpointError(f"resume auto: round {agreed} is the last every rank completed but the files of "
+                              f"node(s) {list(nodes)} for it are gone from {ckpt.round_dir(root, agreed)}: "
+                              "restore them, or start again with overwrite=true")
     return agreed
 
 
@@ -83,28 +95,42 @@ def restore_round(cfg: TrainConfig, agreed: int, *, engine: "ADMMEngine", nodes:
     for node in nodes:
         tensors, meta = ckpt.load_node(root, agreed, node, fingerprint)
         loaded[node] = (tensors, meta)
-        restored["rho"] = meta.get("rho", cfg.rho)
+        restored["rho"] = meta["rho"]
         for name in ("x", "z", "u"):
             restored[f"{name}.{node}"] = tensors[name].to(device)
-    engine.load_state_dict(restored)
+    where = f"{ckpt.round_dir(root, agreed)}"
+    try:
+        engine.load_state_dict(restored)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {where} does not fit this run ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}): delete that round folder to "
+                              "resume from the one before") from None
     every = cfg.recollect_every
     if every and agreed >= every and agreed < cfg.k_outer:
         recollect(agreed // every)   # deterministic: the same z gives the same rollouts
     best: Optional[BestRound] = None
     for node, (tensors, meta) in loaded.items():
         st = state[node]
-        if "adam.exp_avg" in tensors:
-            st.optimizer.state[param] = {
-                "step": torch.tensor(meta["adam_step"]),
-                "exp_avg": tensors["adam.exp_avg"].to(device),
-                "exp_avg_sq": tensors["adam.exp_avg_sq"].to(device)}
-        if st.sampler is not None and meta["sampler"] is not None:
-            st.sampler.load_state_dict(meta["sampler"])
-        torch.set_rng_state(tensors["rng_cpu"])
-        engine.history = [RoundRecord(**r) for r in meta["history"]]
+        try:
+            if "adam.exp_avg" in tensors:
+                st.optimizer.state[param] = {
+                    "step": torch.tensor(meta["adam_step"]),
+                    "exp_avg": tensors["adam.exp_avg"].to(device),
+                    "exp_avg_sq": tensors["adam.exp_avg_sq"].to(device)}
+            if st.sampler is not None and meta["sampler"] is not None:
+                st.sampler.load_state_dict(meta["sampler"])
+            torch.set_rng_state(tensors["rng_cpu"])
+            engine.history = [RoundRecord(**r) for r in meta["history"]]
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {where}/node-{node} does not fit this run ({type(e).__name__}): "
+                                  "delete that round folder to resume from the one before") from None
         if meta.get("dev_curve"):
             report.dev_curve = meta["dev_curve"]
         if meta.get("best") is not None:
             best = BestRound(meta["best"][0], meta["best"][1], tensors["best_z"].to(device))
+    ckpt.prune(root, nodes, cfg.keep_checkpoints, fingerprint, upto=agreed)   # agreed: every rank has it
+    then = loaded[nodes[0]][1]["resumable"]
+    report.resumed = {"after_round": agreed,
+                      "changed": {k: [then[k], getattr(cfg, k)] for k in RESUMABLE
+                                  if k in then and then[k] != getattr(cfg, k)}}
     return best
-

@@ -24,14 +24,24 @@ What is logged, at step = round (docs/outputs.md has the table):
 
 The resolved configuration goes with the run: as W&B's run config, and as a YAML text
 summary (``config``) in TensorBoard.
+
+TensorBoard's events are written in the calling thread and flushed every round: a full or
+removed ``tracking_dir`` is one :class:`UserError` naming it, with no thread traceback. A run
+resumed after round K (``resume=auto``) makes the readers drop what an earlier attempt logged
+past K (:func:`purge_step`); one that starts from round 0 removes an earlier attempt's event
+files. Every curve has one value per step.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
 import importlib.util
+import itertools
 import math
 import os
+import socket
+import time
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
 from admm_dist.core.config_file import key
@@ -102,6 +112,18 @@ def event_files(folder: str) -> List[str]:
     return sorted(glob.glob(os.path.join(folder, EVENTS_GLOB)))
 
 
+def remove_event_files(folder: str) -> None:
+    """Remove the TensorBoard event files in ``folder`` (an earlier attempt's); an error names it."""
+    for path in event_files(folder):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise UserError(f"cannot remove the earlier TensorBoard events in tracking_dir {folder}: "
+                            f"{exc.strerror or exc} ({path}); remove them, or choose another tracking_dir=") from None
+
+
 # ----------------------------------------------------------------------------- the figures
 def round_scalars(rec: "RoundRecord", *, telemetry_sent: int, telemetry_recv: int,
                   dev_nll: Optional[float] = None, delta_w_rel: Optional[float] = None) -> Dict[str, float]:
@@ -139,25 +161,103 @@ def final_scalars(delta_w: Sequence[float], deploy_local: bool) -> Dict[str, flo
 
 # ----------------------------------------------------------------------------- the writers
 class TensorBoardWriter:
-    """Scalars into TensorBoard event files (``torch.utils.tensorboard``)."""
+    """Scalars into a TensorBoard event file, written in the calling thread.
 
-    def __init__(self, folder: str, config_yaml: str, purge_step: Optional[int]):
+    The records are TensorBoard's own (``Event`` protos in TFRecord framing, by tensorboard's
+    ``RecordWriter``), as torch's ``SummaryWriter`` writes them; but that writer writes from a
+    background thread, so a full or vanished tracking folder prints the thread's traceback and
+    surfaces only at a later call. Here every :meth:`log` writes and flushes at once, and a
+    failed write is one :class:`UserError` naming ``tracking_dir``.
+
+    ``purge_step``: a ``SessionLog.START`` at that step makes TensorBoard's readers drop the
+    events that earlier files of the folder hold at that step or later (an earlier attempt's);
+    the new file's name sorts after theirs, so readers load it last.
+    """
+
+    def __init__(self, folder: str, config_yaml: Optional[str], purge_step: Optional[int]):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from tensorboard.summary.writer.record_writer import RecordWriter
         except ImportError:
             raise UserError("report_to=tensorboard needs the tensorboard package: "
                             "pip install 'admm_dist[tensorboard]' (or drop it from report_to)") from None
-        self.writer = SummaryWriter(log_dir=folder, purge_step=purge_step)
-        if purge_step is None:     # a resumed run's config is already in the first attempt's file
-            self.writer.add_text("config", "```yaml\n" + config_yaml + "\n```", 0)
+        self.folder = folder
+        self.Event, self.Summary = Event, Summary
+        self.fh: Optional[Any] = None
+        try:
+            os.makedirs(folder, exist_ok=True)
+            self.path = os.path.join(folder, _new_event_file_name(folder))
+            self.fh = open(self.path, "xb")      # the mode of a plain open: 0666 less the umask
+            self.records = RecordWriter(self.fh)
+            self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+            if purge_step is not None:
+                self._write(Event(wall_time=time.time(), step=purge_step,
+                                  session_log=SessionLog(status=SessionLog.START)))
+            if config_yaml is not None:
+                self._write(Event(wall_time=time.time(), step=0,
+                                  summary=_text_summary("config", "```yaml\n" + config_yaml + "\n```")))
+            self.fh.flush()
+        except OSError as exc:
+            self._fail(exc)
+
+    def _write(self, event: Any) -> None:
+        self.records.write(event.SerializeToString())
+
+    def _fail(self, exc: OSError) -> None:
+        self.close()
+        raise UserError(f"cannot write TensorBoard events to tracking_dir {self.folder}: {exc.strerror or exc} "
+                        "(check its free space and permissions, choose another tracking_dir=, or drop "
+                        "tensorboard from report_to)") from None
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
-        for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, step)
-        self.writer.flush()
+        if self.fh is None:
+            raise UserError(f"cannot write TensorBoard events to tracking_dir {self.folder}: the writer is closed")
+        values = [self.Summary.Value(tag=tag, simple_value=float(v)) for tag, v in scalars.items()]
+        try:
+            if os.fstat(self.fh.fileno()).st_nlink == 0:     # writes to a removed file would vanish
+                raise FileNotFoundError(errno.ENOENT, f"its event file {self.path} was removed during the run")
+            self._write(self.Event(wall_time=time.time(), step=int(step), summary=self.Summary(value=values)))
+            self.fh.flush()
+        except OSError as exc:
+            self._fail(exc)
 
     def close(self) -> None:
-        self.writer.close()
+        fh, self.fh = self.fh, None
+        if fh is not None:
+            try:
+                fh.close()        # every log() flushed: nothing is left to write
+            except OSError:
+                pass
+
+
+_FILE_NUMBER = itertools.count()     # TensorBoard's <n>: this process's event files, numbered
+
+
+def _new_event_file_name(folder: str) -> str:
+    """TensorBoard's name for an event file (``events.out.tfevents.<seconds>.<host>.<pid>.<n>``),
+    its seconds past every event file already in ``folder``: readers load a folder's files in
+    name order, and an earlier attempt's events must come first for a purge to drop them."""
+    seconds = int(time.time())
+    for path in event_files(folder):
+        parts = os.path.basename(path).split(".")
+        if len(parts) > 3 and parts[3].isdigit():
+            seconds = max(seconds, int(parts[3]) + 1)
+    return f"events.out.tfevents.{seconds:010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_NUMBER)}"
+
+
+def _text_summary(tag: str, text: str) -> Any:
+    """A text summary as TensorBoard's text plugin reads it (tag ``<tag>/text_summary``)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboard.plugins.text.plugin_data_pb2 import TextPluginData
+
+    metadata = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
+        plugin_name="text", content=TextPluginData(version=0).SerializeToString()))
+    tensor = TensorProto(dtype="DT_STRING", string_val=[text.encode("utf-8")],
+                         tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]))
+    return Summary(value=[Summary.Value(tag=f"{tag}/text_summary", metadata=metadata, tensor=tensor)])
 
 
 class WandbWriter:
@@ -207,8 +307,11 @@ def open_tracker(tcfg: TrackingConfig, *, rank: int, folder: str, name: str, con
                  config_yaml: str, run_id: str, resumed_after: int = 0) -> Tracker:
     """Rank 0's writers for ``report_to`` (an inactive Tracker elsewhere, or for ``none``).
 
-    ``resumed_after``: the round a resumed run continues after; TensorBoard then drops the
-    events an earlier attempt wrote past it (``purge_step``), so a curve has one value per round.
+    ``resumed_after``: the round a resumed run continues after. TensorBoard's readers then drop
+    what an earlier attempt in ``folder`` logged past it (:func:`purge_step`). A run that starts
+    from round 0 (fresh, or ``resume=auto`` that found no checkpoint) logs everything again: an
+    earlier attempt's event files are removed (a fresh run into another run's events was refused
+    before any work, or ``overwrite=true`` removed them). Either way a curve has one value per step.
     """
     if rank != 0 or not tcfg.active:
         return Tracker()
@@ -216,7 +319,10 @@ def open_tracker(tcfg: TrackingConfig, *, rank: int, folder: str, name: str, con
     try:
         for kind in tcfg.active:
             if kind == "tensorboard":
-                writers.append(TensorBoardWriter(folder, config_yaml, resumed_after + 1 if resumed_after else None))
+                if not resumed_after:
+                    remove_event_files(folder)
+                writers.append(TensorBoardWriter(folder, None if resumed_after else config_yaml,
+                                                 purge_step(resumed_after)))
             else:
                 writers.append(WandbWriter(folder, config, project=tcfg.wandb_project, mode=tcfg.wandb_mode,
                                            name=name, run_id=run_id))
@@ -224,3 +330,15 @@ def open_tracker(tcfg: TrackingConfig, *, rank: int, folder: str, name: str, con
         Tracker(writers).close()
         raise
     return Tracker(writers)
+
+
+def purge_step(resumed_after: int) -> Optional[int]:
+    """The step from which the events of an earlier attempt are dropped by TensorBoard's readers.
+
+    A run resumed after round K logs rounds K+1 on again (step = round). What the earlier attempt
+    logged at K or before stays: round K's figures, and a collection run after round K (logged at
+    step ``collection * recollect_every`` = K before round K's checkpoint, which holds its fit
+    set; the resumed run does not log it again). A run that starts from round 0 has nothing to
+    keep: :func:`open_tracker` removes the earlier attempt's event files instead (None here).
+    """
+    return resumed_after + 1 if resumed_after else None

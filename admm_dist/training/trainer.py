@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
@@ -42,7 +43,7 @@ from admm_dist.model.vectors import check_same_basis, hash_to_int64_row, int64_r
 from admm_dist.training import checkpoint as ckpt
 from admm_dist.training import pipeline, resume
 from admm_dist.training.communicator import build_communicator
-from admm_dist.training.config import TrainConfig
+from admm_dist.training.config import RESUMABLE, TrainConfig
 from admm_dist.training.outputs import RefusedError, RunOutputs, delta_w_rel
 from admm_dist.training.report import TrainReport
 from admm_dist.training.state import BestRound, NodeState
@@ -80,7 +81,7 @@ class Trainer:
         self.show = not cfg.quiet and ctx.rank == 0    # progress bars and log lines
         self.talk = log if self.show else (lambda m: None)
         self.tracker = Tracker()   # report_to's writers, opened once the rounds are about to start
-        self.report = TrainReport(config=cfg.as_dict())
+        self.report = TrainReport(config=cfg.as_dict(), out_path=os.path.abspath(cfg.out))
         self.outputs = RunOutputs(cfg, ctx.rank, self.talk)
         self.agent_models = None   # agent_models backbones, loaded at the first collection
         self._generator = None     # generation_backend vllm: this rank's engine, built at the first collection
@@ -296,6 +297,7 @@ class Trainer:
             restore()
             self.tracker.close()
             self.close_generator()
+            self.outputs.release()
 
     def _train(self) -> Dict[str, object]:
         cfg = self.cfg
@@ -308,6 +310,8 @@ class Trainer:
             self.talk("dry run: fit sets built, stopping before any gradient step")
             self.outputs.write_report(self.report, "dryrun")
             return self.report.as_dict()
+        # Everything is checked and loaded: only now may overwrite remove the old run's files.
+        self.outputs.clear_old_run(self.comm, len(self.nodes))
         if cfg.resume == "auto":
             self.try_resume()
         root = ckpt.ckpt_root(cfg.out)
@@ -380,9 +384,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, root: str) -> None:
-        resume.save_round(root, engine=self.engine, nodes=self.nodes, state=self.state,
+        resume.save_round(root, engine=self.engine, comm=self.comm, nodes=self.nodes, state=self.state,
                           param=self.adapter.param, fingerprint=self.fingerprint, report=self.report,
-                          best=self.best, keep=self.cfg.keep_checkpoints)
+                          best=self.best, keep=self.cfg.keep_checkpoints,
+                          resumable={k: getattr(self.cfg, k) for k in RESUMABLE}, faults=self.faults)
 
     def try_resume(self) -> None:
         agreed = resume.agreed_round(self.cfg, self.comm, self.nodes, self.rank, self.fingerprint)
@@ -394,7 +399,9 @@ class Trainer:
                                     device=self.ctx.device, report=self.report, recollect=self.recollect)
         if best is not None:
             self.best = best
-        self.talk(f"resume auto: continuing after round {agreed}")
+        changed = self.report.resumed["changed"]
+        self.talk(f"resume auto: continuing after round {agreed}" + "".join(
+            f"; {k} changed {then:g} -> {now:g}" for k, (then, now) in changed.items()))
 
     # ------------------------------------------------------------------ outputs
     def finish(self) -> Dict[str, object]:
@@ -436,6 +443,6 @@ class Trainer:
                             f"{max(dw_all[i] for i in wild):.3g} > max_delta_w_rel={cfg.max_delta_w_rel:g}): "
                             f"lower --eta or --grad_clip{kept}")
         self.outputs.write_results(engine=self.engine, comm=self.comm, nodes=self.nodes, adapter=self.adapter,
-                                   report=report, best=self.best, deploy_local=deploy_local)
-        self.outputs.write_report(report)
+                                   report=report, best=self.best, deploy_local=deploy_local,
+                                   fingerprint=self.fingerprint)
         return report.as_dict()

@@ -106,11 +106,11 @@ def test_own_choices_are_checked_from_the_metadata():
 def test_later_keys_have_one_source():
     assert train_config.LATER_KEYS is LATER_KEYS
     assert all(LATER_KEYS[k] == v for k, v in train_config.FINGERPRINT_LATER.items())
-    # the fingerprint as checkpoints have always had it: generation_backend only when not hf,
-    # prefix_samples always (leaving it out at 1 would orphan every checkpoint written since)
+    # the fingerprint: generation_backend only when not hf, prefix_samples always (leaving it
+    # out at 1 would orphan every checkpoint written since); eta and grad_clip may change on resume
     for cfg in (TrainConfig(), TrainConfig(generation_backend="vllm")):
         d = {k: v for k, v in cfg.as_dict().items() if k not in train_config.NON_SEMANTIC
-             and not (k == "generation_backend" and v == "hf")}
+             and k not in train_config.RESUMABLE and not (k == "generation_backend" and v == "hf")}
         assert "prefix_samples" in d
         assert cfg.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -81,21 +81,23 @@ def test_adapter_vector_changes_outputs(tmp_path, capsys, base8):
     assert all(m["adapted"] for c in chains(path) for m in c["messages"])
 
 
-def write_state(folder, vectors, *, local_only=True, report_dir=None):
-    """A training run's <out> folder in the trainer's format (write_outputs)."""
+def write_state(folder, vectors, *, local_only=True, report_dir=None, rounds=None):
+    """A training run's <out> folder in the trainer's format (write_results); ``rounds``: the
+    round each node file records (the seat map's is the first)."""
     from safetensors.torch import save_file
 
     from admm_dist.training.config import TrainConfig
     cfg = TrainConfig(model_name=STANDIN, task="chain_arith", local_only=local_only, out=str(folder),
                       report_dir=report_dir or "results", **ADAPTER)
     os.makedirs(folder, exist_ok=True)
+    rounds = rounds or [5] * len(vectors)
     for i, (x, z) in enumerate(vectors):
         save_file({"x": x.clone(), "z": z.clone(), "u": torch.zeros_like(x)},
-                  os.path.join(folder, f"node-{i}.safetensors"))
+                  os.path.join(folder, f"node-{i}.safetensors"), metadata={"round": str(rounds[i])})
     seats = cfg.adapted_seats()
     with open(os.path.join(folder, "seat_map.json"), "w") as fh:
         json.dump({"config": cfg.as_dict(), "seats": seats, "roles": [cfg.role(s) for s in seats],
-                   "n_nodes": len(vectors), "deploy_required": "local" if local_only else None,
+                   "n_nodes": len(vectors), "round": rounds[0], "deploy_required": "local" if local_only else None,
                    "node_of_seat": {str(s): i for i, s in enumerate(seats)}}, fh)
 
 
@@ -112,6 +114,10 @@ def test_deploy_local_reads_each_seats_node(tmp_path, capsys, base8):
     # the run has no exact consensus: deploying "its consensus" is refused
     rc, _, err = evaluate(capsys, "--state", str(tmp_path / "run"))
     assert rc == 2 and "--deploy local" in err
+    # a node file left from an earlier round (its rank failed the final write) is refused
+    write_state(tmp_path / "stale", [(big, big) for _ in range(4)], rounds=[5, 5, 4, 5])
+    rc, _, err = evaluate(capsys, "--deploy", "local", "--state", str(tmp_path / "stale"))
+    assert rc == 2 and "node-2.safetensors holds round 4 but the run's seat_map.json is of round 5" in err, err
 
 
 def test_agent_model_runs_one_seat_on_another_backbone(tmp_path, capsys, base8):

@@ -393,6 +393,26 @@ def test_export_peft_reproduces_logits(vocab, tmp_path):
                                    rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_export_peft_gives_the_modes_of_a_plain_mkdir_and_open(vocab, tmp_path, umask):
+    """The PEFT folder and every file in it get 0777/0666 less the umask (a serving account
+    reads them), not mkdtemp's 0700 and the safetensors writer's 0600; also over an old folder."""
+    a = make(vocab, lora_targets="attn_all", lora_layers_last=1)
+    folder = tmp_path / "run-last-peft"
+    old = os.umask(umask)
+    try:
+        for _ in range(2):      # a new folder, then one replacing it
+            a.export_peft(str(folder))
+            assert os.stat(folder).st_mode & 0o777 == 0o777 & ~umask
+            files = [os.path.join(root, fn) for root, _, fns in os.walk(folder) for fn in fns]
+            assert "adapter_model.safetensors" in {os.path.basename(f) for f in files}
+            assert {f: os.stat(f).st_mode & 0o777 for f in files} == {f: 0o666 & ~umask for f in files}
+            for root, dirs, _ in os.walk(folder):
+                assert all(os.stat(os.path.join(root, d)).st_mode & 0o777 == 0o777 & ~umask for d in dirs)
+    finally:
+        os.umask(old)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fast_b_only_forward_matches_peft_generic_forward(vocab, dtype):
     """The fused B-only layer computes what PEFT's LoRA layer computes, values and B grads."""

@@ -59,6 +59,7 @@ def test_the_built_folder_is_a_plain_llama_with_bpe_and_its_chat_template(smollm
     assert all("<|im_end|>" not in x.text for x in g)
 
 
+@pytest.mark.timeout(1500)   # about 2 min on a quiet 2-core machine; a busy one needs more than the 300 s default
 def test_demo_collects_trains_on_four_ranks_exports_peft_and_evaluates_the_adapter(smollm2, tmp_path):
     env = dict(os.environ, MODEL=smollm2, OUT=str(tmp_path / "run"), RES=str(tmp_path / "res"), N="8",
                PYTHON=sys.executable)

@@ -177,9 +177,12 @@ def test_prune_keeps_other_runs_checkpoints():
             ckpt.save_node(root, k, 0, {"x": torch.zeros(1)}, {"fingerprint": "other"})
         for k in (4, 5, 6):
             ckpt.save_node(root, k, 0, {"x": torch.zeros(1)}, {"fingerprint": "mine"})
-        ckpt.prune(root, [0], 1, "mine")
+        ckpt.prune(root, [0], 1, "mine", upto=5)      # round 6 is not complete on every rank yet
+        assert ckpt.completed_rounds(root, [0], "mine") == [5, 6]
+        ckpt.prune(root, [0], 1, "mine", upto=6)
         assert ckpt.completed_rounds(root, [0], "mine") == [6]
         assert ckpt.completed_rounds(root, [0], "other") == [1, 2, 3]
+        assert sorted(os.listdir(root)) == [f"round-00000{k}" for k in (1, 2, 3, 6)]
 
 
 def test_the_tracking_settings_are_built_once(assets, tmp_path, monkeypatch):
@@ -201,3 +204,145 @@ def test_the_tracking_settings_are_built_once(assets, tmp_path, monkeypatch):
     assert outputs.tracking is first and first.active == ["tensorboard"]
     assert folder == str(tmp_path / "reports" / "tracking" / "run")
     assert len(built) == 1
+
+
+# ---------------------------------------------------------------- issue 21: nothing lost, round 3
+def test_a_second_run_into_a_locked_out_is_refused_and_a_stale_lock_is_taken_over(assets, tmp_path, capsys):
+    import subprocess
+    import sys
+    import textwrap
+
+    out = str(tmp_path / "runs" / "run")
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from admm_dist.core.lock import OutputLock
+        OutputLock([({out!r}, "out={out}", "another out=")]).acquire()
+        print("locked", flush=True)
+        sys.stdin.read()          # held until the test closes our stdin
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        rc, err = _run(capsys, assets, tmp_path)
+        assert rc == 2 and len(err) == 1, err
+        assert f"out={out} is in use by a running job (pid {holder.pid} on host" in err[0], err[0]
+        assert "wait for it to finish, or choose another out=" in err[0]
+        assert not os.path.exists(out + "-last.safetensors") and not os.path.exists(out + ".ckpt")
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    # the holder is gone but its lock file (a kill -9 leaves one) names a dead PID on this host
+    with open(out + ".lock", "w") as fh:
+        json.dump({"pid": holder.pid, "host": os.uname().nodename, "start": "1", "since": 0}, fh)
+    rc, err = _run(capsys, assets, tmp_path)
+    assert rc == 0, err
+    assert not os.path.exists(out + ".lock")             # released at the end
+
+
+def test_reports_of_runs_named_alike_never_collide(assets, tmp_path, capsys):
+    a, b = str(tmp_path / "runs" / "a" / "ring"), str(tmp_path / "runs" / "b" / "ring")
+    assert _run(capsys, assets, tmp_path, out=a)[0] == 0
+    before = _snapshot(tmp_path)
+    rc, err = _run(capsys, assets, tmp_path, out=b)
+    assert rc == 2 and len(err) == 1, err
+    assert "holds the report of another run named alike" in err[0] and f"out={a}" in err[0], err[0]
+    assert "report_dir=" in err[0]
+    assert _snapshot(tmp_path) == before
+    assert _run(capsys, assets, tmp_path, out=b, report_dir=str(tmp_path / "reports_b"))[0] == 0
+
+
+def test_overwrite_removes_every_output_of_the_old_run(assets, tmp_path, capsys):
+    out = tmp_path / "runs" / "run"
+    assert _run(capsys, assets, tmp_path, dev_frac=0.25, export_peft="true")[0] == 0
+    assert os.path.isfile(f"{out}-best.safetensors") and os.path.isdir(f"{out}-last-peft")
+    assert _run(capsys, assets, tmp_path, overwrite="true", rho=0.2)[0] == 0
+    assert not os.path.exists(f"{out}-best.safetensors") and not os.path.exists(f"{out}-last-peft")
+    report = json.loads(_bytes(tmp_path / "reports" / "run-train.json"))
+    assert report["config"]["rho"] == 0.2 and "best" not in report
+    leftovers = [f for d in (tmp_path / "runs", out) for f in os.listdir(d) if f.startswith(".")]
+    assert leftovers == []                                 # no temporaries, no staged files
+
+
+def test_overwrite_checks_everything_before_it_removes_anything(assets, tmp_path, capsys):
+    assert _run(capsys, assets, tmp_path, k_outer=3)[0] == 0
+    before = _snapshot(tmp_path)
+    rc, err = _run(capsys, assets, tmp_path, overwrite="true", model_name=str(tmp_path / "no-such-model"))
+    assert rc == 2 and len(err) == 1, err
+    assert _snapshot(tmp_path) == before                   # the old run is intact
+
+
+def _flip(path, offset_from_end, bit):
+    with open(path, "r+b") as fh:
+        fh.seek(-offset_from_end, os.SEEK_END)
+        byte = fh.read(1)[0]
+        fh.seek(-offset_from_end, os.SEEK_END)
+        fh.write(bytes([byte ^ (1 << bit)]))
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file(assets, tmp_path, capsys):
+    assert _run(capsys, assets, tmp_path, k_outer=2)[0] == 0
+    folder = tmp_path / "runs" / "run.ckpt" / "round-000002"
+    tensors, marker = folder / "node-1.safetensors", folder / "node-1.json"
+    good = _bytes(tensors), _bytes(marker)
+    _flip(tensors, 5, 0)                                   # one mantissa bit of the last tensor
+    rc, err = _run(capsys, assets, tmp_path, k_outer=3, resume="auto")
+    assert rc == 2 and len(err) == 1 and f"{tensors} fails its checksum" in err[0], err
+    assert "delete that round folder" in err[0]
+    tensors.write_bytes(good[0])
+    meta = json.loads(good[1])
+    meta["rho"] = 0.3                                      # an edit that still parses
+    marker.write_text(json.dumps(meta))
+    rc, err = _run(capsys, assets, tmp_path, k_outer=3, resume="auto")
+    assert rc == 2 and len(err) == 1 and f"{marker} fails its checksum" in err[0], err
+    del meta["rho"]                                        # a layout from elsewhere, checksum made to fit
+    meta["meta_sha256"] = ckpt._meta_digest(meta)
+    marker.write_text(json.dumps(meta))
+    rc, err = _run(capsys, assets, tmp_path, k_outer=3, resume="auto")
+    assert rc == 2 and len(err) == 1 and "lacks a valid 'rho'" in err[0], err
+    marker.write_bytes(good[1])
+    assert _run(capsys, assets, tmp_path, k_outer=3, resume="auto")[0] == 0
+
+
+def test_eta_and_grad_clip_may_change_on_resume_as_the_non_finite_error_advises(assets, tmp_path, capsys,
+                                                                                  monkeypatch):
+    from admm_dist.testing import faults
+    monkeypatch.setenv(faults.ENV, "nan@3:0")
+    rc, err = _run(capsys, assets, tmp_path, k_outer=4)
+    assert rc == 1 and len(err) == 1 and "round 3: non-finite" in err[0], err
+    assert "resume=auto and a lower eta= or grad_clip=" in err[0]
+    monkeypatch.delenv(faults.ENV)
+    rc, err = _run(capsys, assets, tmp_path, k_outer=4, resume="auto", eta=0.01, grad_clip=0.5)
+    assert rc == 0, err
+    report = json.loads(_bytes(tmp_path / "reports" / "run-train.json"))
+    assert report["resumed"] == {"after_round": 2, "changed": {"eta": [0.02, 0.01], "grad_clip": [1.0, 0.5]}}
+    assert len(report["rounds"]) == 4
+
+
+def test_temporaries_of_a_killed_write_are_removed(assets, tmp_path, capsys):
+    assert _run(capsys, assets, tmp_path, k_outer=2, keep_checkpoints=1)[0] == 0
+    root = tmp_path / "runs" / "run.ckpt"
+    orphan = root / "round-000002" / ".node-0.json.x1y2.tmp"
+    orphan.write_text("half a file")
+    assert _run(capsys, assets, tmp_path, k_outer=3, keep_checkpoints=1, resume="auto")[0] == 0
+    assert sorted(os.listdir(root)) == ["round-000003"]    # round 2 pruned, its folder gone
+
+
+def test_results_move_together_or_not_at_all(assets, tmp_path, capsys):
+    """A report that cannot be written (here a folder in its way; a full report_dir alike) leaves
+    -last, the node files and the report as they were: all are staged before any is replaced."""
+    assert _run(capsys, assets, tmp_path, k_outer=2)[0] == 0
+    report = tmp_path / "reports" / "run-train.json"
+    kept = json.loads(_bytes(report))
+    report.unlink()
+    report.mkdir()
+    before = _snapshot(tmp_path)
+    rc, err = _run(capsys, assets, tmp_path, k_outer=3, resume="auto")
+    assert rc == 2 and len(err) == 1 and f"cannot use {report}" in err[0], err
+    after = _snapshot(tmp_path)
+    assert {p: b for p, b in after.items() if ".ckpt" not in p} == \
+        {p: b for p, b in before.items() if ".ckpt" not in p}       # only the new checkpoint came
+    report.rmdir()
+    report.write_text(json.dumps(kept))
+    assert _run(capsys, assets, tmp_path, k_outer=3, resume="auto")[0] == 0
+    with safe_open(str(tmp_path / "runs" / "run" / "node-0.safetensors"), framework="pt") as fh:
+        assert fh.metadata()["round"] == "3"
+    assert json.loads(_bytes(tmp_path / "reports" / "run-train.json"))["rounds"][-1]["round"] == 3

@@ -14,7 +14,7 @@ from admm_dist.engine.launcher import launch_cpu
 from admm_dist.testing.synthetic import write_fitset
 from admm_dist.testing.tiny import save_tiny_backbone
 from admm_dist.training.config import TrainConfig
-from admm_dist.training.tracking import TrackingConfig, collection_scalars, event_files
+from admm_dist.training.tracking import TrackingConfig, collection_scalars, event_files, open_tracker
 from admm_dist.training.trainer import Trainer
 
 from conftest import train_local
@@ -230,3 +230,107 @@ def test_the_last_rounds_delta_w_rel_is_computed_once(assets, tmp_path, monkeypa
     calls.clear()   # without a tracker: one per node, at the end
     train_local(_cfg(assets, tmp_path / "plain"))
     assert len(calls) == N
+
+
+# ----------------------------------------------------------------------------- attempts and failures
+def _attempt(folder, resumed_after, steps, value, recollect_every=2):
+    """One attempt of a run as the trainer logs it: its collections (a fresh start logs collection
+    0 at step 0), then each round's figures, plus each later collection at its round."""
+    tracker = open_tracker(TrackingConfig(report_to="tensorboard"), rank=0, folder=folder, name="run",
+                           config={}, config_yaml="k_outer: 6", run_id="run-x", resumed_after=resumed_after)
+    try:
+        if not resumed_after:
+            tracker.log(0, {"collection/examples": value})
+        for step in steps:
+            tracker.log(step, {"loss/node_0": value + step, "primal_residual/node_0": value - step})
+            if step % recollect_every == 0:
+                tracker.log(step, {"collection/examples": value + step})
+    finally:
+        tracker.close()
+
+
+@pytest.mark.parametrize("resumed_after", [0, 3])
+def test_a_second_attempt_leaves_one_value_per_step(tmp_path, resumed_after):
+    """The first attempt logged rounds 1-5 and was killed (its last checkpoint: round 3, or none:
+    resume=auto then starts from round 0). The second logs again from there: TensorBoard's reader
+    holds one value per step, the second attempt's wherever it logged one, and one config."""
+    folder = str(tmp_path / "tracking")
+    _attempt(folder, 0, range(1, 6), 100.0)
+    _attempt(folder, resumed_after, range(resumed_after + 1, 7), 200.0)
+    assert len(event_files(folder)) == (2 if resumed_after else 1)   # from round 0: the first one's are removed
+    scalars, acc = read_tensorboard(folder)
+    for tag, sign in (("loss/node_0", 1), ("primal_residual/node_0", -1)):
+        assert scalars[tag] == [(s, (100.0 if s <= resumed_after else 200.0) + sign * s) for s in range(1, 7)]
+    first = 100.0 if resumed_after else 200.0    # collections 0 and 1 ran before round 3's checkpoint
+    assert scalars["collection/examples"] == [(0, first), (2, first + 2), (4, 204.0), (6, 206.0)]
+    assert [t.step for t in acc.Tensors("config/text_summary")] == [0]
+
+
+def test_a_resumed_attempts_file_is_read_after_the_earlier_ones(tmp_path):
+    """Readers load a folder's event files in name order: a second attempt started within the
+    same second as the first, whose file name would sort after its own (another host, a larger
+    pid), still comes after it, so the purge drops the first attempt's rounds past 1."""
+    import time
+
+    folder = tmp_path / "tracking"
+    _attempt(str(folder), 0, range(1, 4), 100.0)
+    [first] = event_files(str(folder))
+    later = folder / f"events.out.tfevents.{int(time.time()):010d}.zzz.99999999.7"
+    os.rename(first, later)
+    _attempt(str(folder), 1, range(2, 4), 200.0)
+    assert event_files(str(folder))[0] == str(later)
+    scalars, _ = read_tensorboard(str(folder))
+    assert scalars["loss/node_0"] == [(1, 101.0), (2, 202.0), (3, 203.0)]
+
+
+# A child whose files may not grow past 16 KiB: the event file's writes then fail with EFBIG
+# (SIGXFSZ ignored), a real error from the kernel, as a full disk gives ENOSPC.
+FULL_TRACKING_DIR = r"""
+import resource, signal, sys
+from admm_dist.core.errors import UserError
+from admm_dist.training.tracking import TrackingConfig, open_tracker
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+tracker = open_tracker(TrackingConfig(report_to="tensorboard"), rank=0, folder=sys.argv[1], name="run",
+                       config={}, config_yaml="k_outer: 3", run_id="run-x")
+resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
+try:
+    for step in range(1, 10000):
+        tracker.log(step, {f"loss/node_{i}": 0.5 for i in range(64)})
+except UserError as e:
+    print(e)
+    sys.exit(2)
+finally:
+    tracker.close()
+print("no error")
+"""
+
+
+def test_a_full_tracking_dir_is_one_error_naming_it_and_no_thread_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    folder = str(tmp_path / "tracking")
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", FULL_TRACKING_DIR, folder], capture_output=True, text=True,
+                          env=env, cwd=str(tmp_path), timeout=120)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stdout.strip() == (f"cannot write TensorBoard events to tracking_dir {folder}: File too large "
+                                   "(check its free space and permissions, choose another tracking_dir=, or "
+                                   "drop tensorboard from report_to)")
+
+
+def test_a_tracking_dir_removed_under_the_run_is_one_error_naming_it(tmp_path):
+    import shutil
+
+    folder = str(tmp_path / "tracking")
+    tracker = open_tracker(TrackingConfig(report_to="tensorboard"), rank=0, folder=folder, name="run",
+                           config={}, config_yaml="k_outer: 3", run_id="run-x")
+    tracker.log(1, {"loss/node_0": 1.0})
+    shutil.rmtree(folder)
+    with pytest.raises(UserError, match=rf"cannot write TensorBoard events to tracking_dir {folder}: its event "
+                                        r"file .* was removed during the run"):
+        tracker.log(2, {"loss/node_0": 2.0})
+    tracker.close()

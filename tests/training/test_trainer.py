@@ -284,8 +284,8 @@ def test_warm_start_with_the_collection_policy_as_kl_reference(assets, tmp_path)
     f_collect = train_local(dataclass_replace(warm, kl_ref="collect"))["loss_curve"][0]
     assert all(abs(v - math.log(2)) < 1e-5 for v in f_collect), f_collect
     # reference = the backbone without adapters: the warm start already prefers chosen
-    f_frozen = train_local(dataclass_replace(warm, kl_ref="frozen",
-                                        out=str(tmp_path / "c" / "run")))["loss_curve"][0]
+    f_frozen = train_local(dataclass_replace(warm, kl_ref="frozen", out=str(tmp_path / "c" / "run"),
+                                             report_dir=str(tmp_path / "c" / "reports")))["loss_curve"][0]
     assert all(v < math.log(2) - 0.05 for v in f_frozen), f_frozen
     assert first["delta_w_rel"] > 0
 

@@ -1,0 +1,63 @@
+"""The kill-inside-a-checkpoint-write benchmark: its draws, its comparison and its leftovers check
+(fast), and two real trials under torchrun, keep_checkpoints 1 and 3 (slow)."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from admm_dist.bench import kill_resume as kr
+from admm_dist.testing.faults import POINTS
+
+
+def test_the_trials_alternate_keep_and_draw_within_range_reproducibly():
+    p = kr.plan(20, 0, 5)
+    assert [t["keep"] for t in p] == [1, 3] * 10
+    assert all(1 <= t["round"] <= 5 and 0 <= t["node"] < 4 and t["point"] in POINTS for t in p)
+    assert p == kr.plan(20, 0, 5) and p != kr.plan(20, 1, 5)
+
+
+def _results(folder, b, x):
+    (folder / "runs" / "run").mkdir(parents=True)
+    save_file({"b": b}, str(folder / "runs" / "run-last.safetensors"))
+    for i in range(4):
+        save_file({"x": x.clone(), "z": b.clone(), "u": b.clone()}, str(folder / "runs" / "run" / f"node-{i}.safetensors"))
+    return kr.result_tensors(str(folder))
+
+
+def test_bit_identical_means_every_byte_of_every_result_tensor(tmp_path):
+    b = torch.tensor([1.0, float("nan"), 0.0])
+    ref = _results(tmp_path / "a", b, b)
+    assert kr.differences(_results(tmp_path / "b", b.clone(), b.clone()), ref) == []
+    negzero = torch.tensor([1.0, float("nan"), -0.0])                        # == but not the same bits
+    assert kr.differences(_results(tmp_path / "c", b, negzero), ref) == [f"node-{i}[x]: differs" for i in range(4)]
+    (tmp_path / "b" / "runs" / "run" / "node-2.safetensors").unlink()
+    assert kr.differences(kr.result_tensors(str(tmp_path / "b")), ref) == ["node-2: missing"]
+
+
+def test_leftovers_are_temporaries_and_staged_results(tmp_path):
+    (tmp_path / "runs" / "run.ckpt" / "round-000002").mkdir(parents=True)
+    (tmp_path / "runs" / "run.ckpt" / "round-000002" / ".node-1.json.abc.tmp").write_text("")
+    (tmp_path / "runs" / ".run-last.safetensors.staged").write_text("")
+    (tmp_path / "runs" / "run.ckpt" / "round-000002" / "node-1.json").write_text("{}")
+    assert kr.leftovers(str(tmp_path)) == ["runs/.run-last.safetensors.staged",
+                                           "runs/run.ckpt/round-000002/.node-1.json.abc.tmp"]
+    assert kr.rounds_left(str(tmp_path)) == [2]
+
+
+@pytest.mark.slow
+def test_two_killed_runs_resume_bit_identical(tmp_path, capsys):
+    """keep_checkpoints 1 and 3, one rank of 4 SIGKILLed inside a checkpoint write each, then
+    resume=auto: both end bit for bit where the uninterrupted run ends (6 torchrun launches,
+    about 2 min on 2 cores; each launch bounded by --timeout)."""
+    summary = tmp_path / "summary.json"
+    rc = kr.main(["--runs", "2", "--out", str(tmp_path / "kr"), "--json", str(summary), "--timeout", "300"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "2/2 bit-identical" in out
+    r = json.loads(summary.read_text())
+    assert [t["keep"] for t in r["trials"]] == [1, 3]
+    for t in r["trials"]:
+        assert t["fault_rc"] != 0 and t["killed_ranks"] == [t["node"]] and t["resume_rc"] == 0, t
+        assert t["identical"] and t["leftovers"] == [] and t["rounds_as_reference"], t
+    assert r["summary"]["ok"] == 2
