@@ -1,11 +1,13 @@
 """Train the chain's LoRA adapters by consensus ADMM.
 
-usage: torchrun --nproc_per_node N -m admm_dist.train [--config FILE.yaml] [overrides ...]
+usage: torchrun --nproc_per_node W -m admm_dist.train [--config FILE.yaml] [overrides ...]
        python -m admm_dist.train [--config FILE.yaml] [overrides ...]
 
-Under torchrun the ADMM nodes (one per adapted seat) are spread over the ranks, one each with
---nproc_per_node N; with plain python (or --backend local) every node runs in this one process
-on one backbone. Settings are layered: the defaults below, then the YAML file of --config
+Under torchrun the N ADMM nodes (one per adapted seat) are spread over the W <= N ranks in
+contiguous blocks (one each with W = N; a rank with several nodes keeps one backbone and
+switches their adapters, and hops between its nodes stay in memory); with plain python (or
+--backend local) every node runs in this one process on one backbone. Where a node runs never
+changes the numbers. Settings are layered: the defaults below, then the YAML file of --config
 (configs/ has the paper's arms and small CPU versions), then overrides as --key value or
 key=value (a bare --flag sets a boolean to true). An unknown key is refused with the closest
 valid name. Bad input ends the run with one line on stderr and exit code 2; a run that cannot

@@ -37,13 +37,13 @@ import torch
 
 from admm_dist.core.config_file import key
 from admm_dist.core.errors import RunError, UserError
-from admm_dist.engine.comm import CONSENSUS, Communicator
+from admm_dist.engine.comm import CONSENSUS, IN_PROCESS, Communicator
 
 # x-step: (node, x (updated in place), proximal centre z_i - u_i or None, rho) -> f_i
 XStep = Callable[[int, torch.Tensor, Optional[torch.Tensor], float], float]
 
 ROW_FIELDS = ("f", "primal", "z_norm", "dual", "x_norm", "bytes_sent", "bytes_recv",
-              "sec_x", "sec_z", "sec_other")
+              "bytes_in_process", "sec_x", "sec_z", "sec_other")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,6 +92,9 @@ class RoundRecord:
     sec_z: List[float]
     sec_other: List[float]
     rho: float = 0.0               # the penalty this round's x-step used
+    # bytes a node handed to another node of its own rank in memory (several nodes per rank);
+    # bytes_sent / bytes_recv are the wire's
+    bytes_in_process: List[int] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> Dict[str, object]:
         return dataclasses.asdict(self)
@@ -174,13 +177,14 @@ class ADMMEngine:
         rows = []
         for k, node in enumerate(self.nodes):
             c = meter.total(node=node, round=self.round, phase=CONSENSUS)
+            copied = meter.total(node=node, round=self.round, phase=IN_PROCESS).sent
             rows.append([
                 f_local[k],
                 torch.linalg.vector_norm(self.x[k] - self.z[k]).item(),
                 torch.linalg.vector_norm(self.z[k]).item(),
                 self.rho * torch.linalg.vector_norm(self.z[k] - self._prev[k]).item(),
                 torch.linalg.vector_norm(self.x[k]).item(),
-                c.sent, c.recv, t1 - t0, t2 - t1, 0.0,
+                c.sent, c.recv, copied, t1 - t0, t2 - t1, 0.0,
             ])
         t3 = time.perf_counter()
         for r in rows:
@@ -211,6 +215,7 @@ class ADMMEngine:
             dual=col["dual"], x1_norm=col["x_norm"][0],
             bytes_sent=[int(b) for b in col["bytes_sent"]],
             bytes_recv=[int(b) for b in col["bytes_recv"]],
+            bytes_in_process=[int(b) for b in col["bytes_in_process"]],
             sec_x=col["sec_x"], sec_z=col["sec_z"], sec_other=col["sec_other"], rho=self.rho)
 
     def run(self, xstep: XStep, rounds: int, *, telemetry: bool = True,

@@ -70,18 +70,22 @@ Exchange = Callable[[Any], List[Any]]    # this rank's JSON-able result -> every
 
 
 def gather_json(comm, device) -> Exchange:
-    """An Exchange over a Communicator with one node per rank (bytes metered as telemetry)."""
+    """An Exchange over a Communicator: one JSON object per rank, in rank order (bytes metered
+    as telemetry). A rank with several nodes sends its object once per node; the first is kept."""
+    firsts = [block[0] for block in comm.rank_blocks()]
+    local = len(comm.nodes)
+
     def exchange(obj: Any) -> List[Any]:
-        if comm.n_nodes == 1:
+        if len(firsts) == 1:
             return [obj]
         data = json.dumps(obj, sort_keys=True).encode()
-        n = comm.gather_rows(torch.tensor([[len(data)]], dtype=torch.int64, device=device))
-        sizes = [int(v) for v in n[:, 0].tolist()]
-        buf = torch.zeros((1, max(sizes)), dtype=torch.uint8, device=device)
+        n = comm.gather_rows(torch.tensor([[len(data)]] * local, dtype=torch.int64, device=device))
+        sizes = [int(n[i, 0]) for i in firsts]
+        buf = torch.zeros((local, max(sizes)), dtype=torch.uint8, device=device)
         if data:
-            buf[0, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+            buf[:, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         rows = comm.gather_rows(buf).cpu()
-        return [json.loads(bytes(rows[i, :sizes[i]].tolist()).decode()) for i in range(len(sizes))]
+        return [json.loads(bytes(rows[i, :size].tolist()).decode()) for i, size in zip(firsts, sizes)]
     return exchange
 
 

@@ -1,9 +1,8 @@
 """Which communicator a launch gets (DESIGN.md section 6): ``process_group`` under torchrun,
-with exactly one rank per node, or ``local`` (every node in one process) without it.
+each rank owning a contiguous block of the N nodes (one each when W = N), or ``local`` (every
+node in one process) without it.
 """
 from __future__ import annotations
-
-import os
 
 from admm_dist.core.errors import UserError
 from admm_dist.engine.comm import Communicator, make_communicator
@@ -12,24 +11,17 @@ from admm_dist.training.config import TrainConfig
 
 
 def build_communicator(cfg: TrainConfig, ctx: DistContext) -> Communicator:
-    """The communicator of this launch: one rank per node under torchrun, all nodes in one
-    process otherwise; a launch that does not match the run's node count is refused."""
+    """The communicator of this launch: a block of nodes per rank under torchrun (W <= N), all
+    nodes in one process otherwise; more ranks than nodes is refused."""
     n = cfg.n_nodes()
     if ctx.env.is_distributed:
         if cfg.backend == "local":
             raise UserError("--backend local runs every node in one process: launch it "
                             "without torchrun (python -m admm_dist.train ...)")
-        if ctx.world_size != n:
-            hosts = int(os.environ.get("GROUP_WORLD_SIZE") or os.environ.get("SLURM_JOB_NUM_NODES") or 1)
-            if hosts > 1:
-                fix = (f"nodes x ranks per node must equal {n}: e.g. --nnodes {hosts} --nproc_per_node "
-                       f"{n // hosts}" if n % hosts == 0 else
-                       f"{n} nodes do not split over {hosts} hosts: use a host count that divides {n}")
-            else:
-                fix = f"launch with torchrun --nproc_per_node {n}"
-            raise UserError(f"world size {ctx.world_size} != number of nodes {n} (one rank per node, "
-                            f"{hosts} host(s)): {fix} (on SLURM: sbatch --nodes A with NPROC_PER_NODE=B, "
-                            f"A x B = {n})")
+        if ctx.world_size > n:
+            raise UserError(f"world size {ctx.world_size} > number of nodes {n}: a node cannot be split over "
+                            f"ranks; launch at most {n} rank(s) in all (torchrun --nproc_per_node {n}, or "
+                            "fewer: several nodes then share a rank)")
         backend = "process_group"
     else:
         if cfg.backend == "process_group":

@@ -12,8 +12,9 @@ What is logged, at step = round (docs/outputs.md has the table):
 
 - per node i: ``loss/node_i`` (f_i), ``primal_residual/node_i`` (||x_i - z_i||),
   ``primal_residual_normalized/node_i`` (/ ||z_i||), ``dual_residual/node_i``
-  (rho ||z_i^k - z_i^{k-1}||), ``bytes_sent/consensus/node_i``, ``bytes_recv/consensus/node_i``,
-  ``seconds/x_step/node_i``, ``seconds/z_step/node_i``, ``seconds/other/node_i``;
+  (rho ||z_i^k - z_i^{k-1}||), ``bytes_sent/consensus/node_i``, ``bytes_recv/consensus/node_i``
+  (on the wire), ``bytes_in_process/consensus/node_i`` (handed to a node of the same rank in
+  memory), ``seconds/x_step/node_i``, ``seconds/z_step/node_i``, ``seconds/other/node_i``;
 - ``bytes_sent/telemetry``, ``bytes_recv/telemetry``: the round's telemetry gathers (the same
   on every node: they are all_gathers of equal rows);
 - ``admm/rho``, ``admm/x1_norm``, ``admm/delta_w_rel`` (||dW|| / ||W|| of node 0's z),
@@ -132,6 +133,7 @@ def round_scalars(rec: "RoundRecord", *, telemetry_sent: int, telemetry_recv: in
     per_node = (("loss", rec.f), ("primal_residual", rec.primal),
                 ("primal_residual_normalized", rec.primal_normalized), ("dual_residual", rec.dual),
                 ("bytes_sent/consensus", rec.bytes_sent), ("bytes_recv/consensus", rec.bytes_recv),
+                ("bytes_in_process/consensus", rec.bytes_in_process),
                 ("seconds/x_step", rec.sec_x), ("seconds/z_step", rec.sec_z), ("seconds/other", rec.sec_other))
     for tag, values in per_node:
         out.update({f"{tag}/node_{i}": float(v) for i, v in enumerate(values)})

@@ -165,7 +165,7 @@ class Trainer:
             f = collect_fitset(cfg, runner, collection=collection,
                                init_sha=pipeline.file_fingerprint(cfg.init_state),
                                rank=self.rank if distributed else 0,
-                               world=self.comm.n_nodes if distributed else 1,
+                               world=len(self.comm.rank_blocks()) if distributed else 1,
                                exchange=gather_json(self.comm, self.ctx.device) if distributed else None)
         finally:
             self.model.train(was_training)

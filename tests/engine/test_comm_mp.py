@@ -156,17 +156,21 @@ def test_a_dead_peer_fails_the_exchange_instead_of_hanging():
     assert time.monotonic() - t0 < 60
 
 
-def test_world_size_must_equal_the_number_of_nodes():
-    res = launch_cpu(_wrong_nodes, 2, timeout_s=30)
-    assert all("torchrun --nproc_per_node 3" in res[r] for r in (0, 1))
+def test_more_ranks_than_nodes_is_refused_and_fewer_share_ranks():
+    res = launch_cpu(_placements, 3, timeout_s=30)
+    for r in range(3):
+        assert "world size 3 > number of nodes 2" in res[r]["refused"] and "--nproc_per_node 2" in res[r]["refused"]
+    assert [res[r]["nodes"] for r in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
 
 
-def _wrong_nodes(ctx):
+def _placements(ctx):
+    out = {"refused": ""}
     try:
-        make_communicator("ring", n_nodes=3, timeout=ctx.timeout)
+        make_communicator("ring", n_nodes=2, timeout=ctx.timeout)
     except ValueError as e:
-        return str(e)
-    return ""
+        out["refused"] = str(e)
+    out["nodes"] = list(make_communicator("ring", n_nodes=7, timeout=ctx.timeout).nodes)
+    return out
 
 
 def _segmented_ring(ctx, p, seg):

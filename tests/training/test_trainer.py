@@ -173,11 +173,33 @@ def _error_line(proc):
     return lines[0]
 
 
-def test_world_size_must_equal_the_number_of_nodes(assets, tmp_path):
-    p = _torchrun(_args(assets, tmp_path), 2)
+def test_more_ranks_than_nodes_is_refused(assets, tmp_path):
+    p = _torchrun(_args(assets, tmp_path), N + 1)
     assert p.returncode != 0
-    assert "torchrun --nproc_per_node 3" in _error_line(p)
+    assert f"world size {N + 1} > number of nodes {N}" in _error_line(p)
+    assert f"torchrun --nproc_per_node {N}" in _error_line(p)
     assert not os.path.exists(tmp_path / "run-last.safetensors")
+
+
+@pytest.mark.parametrize("consensus", ["ring", "gossip", "coordinator"])
+def test_fewer_ranks_than_nodes_train_the_oracles_nodes(consensus, assets, tmp_path):
+    """N = 3 nodes on W = 2 ranks (nodes 0, 1 on rank 0; node 2 on rank 1): every node file
+    equals the single-process run's, bit for bit for ring and gossip."""
+    kw = dict(consensus=consensus, topology="chain") if consensus == "gossip" else dict(consensus=consensus)
+    dist_cfg = _cfg(assets, tmp_path / "dist", **kw)
+    local_cfg = _cfg(assets, tmp_path / "local", **kw)
+    launch_cpu(_train_worker, 2, dist_cfg, timeout_s=120)
+    train_local(local_cfg)
+    for i in range(N):
+        a = load_file(os.path.join(dist_cfg.out, f"node-{i}.safetensors"))
+        b = load_file(os.path.join(local_cfg.out, f"node-{i}.safetensors"))
+        for key in ("x", "z", "u"):
+            if consensus == "coordinator":
+                assert float((a[key] - b[key]).norm() / b[key].norm().clamp_min(1e-30)) <= 1e-5, (i, key)
+            else:
+                assert torch.equal(a[key], b[key]), (consensus, i, key)
+    rep = json.loads((tmp_path / "dist" / "reports" / "run-train.json").read_text())
+    assert rep["n_nodes"] == N and len(rep["rounds"][-1]["f"]) == N
 
 
 def test_non_finite_loss_stops_every_rank_with_round_and_node(assets, tmp_path, monkeypatch, capfd):

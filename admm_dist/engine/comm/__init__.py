@@ -1,7 +1,8 @@
 """Communication layer: one interface, a process-group and a single-process implementation.
 
 Use :func:`make_communicator` to get the right one for a run: under torchrun
-(a live process group) each rank is one node; otherwise all ``n_nodes`` are
+(a live process group) each rank owns one node, or a contiguous block of nodes when there are
+fewer ranks than nodes (:mod:`~admm_dist.engine.comm.blocks`); otherwise all ``n_nodes`` are
 simulated in this process.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from admm_dist.core.constants import DEFAULT_TIMEOUT_S
 from admm_dist.core.errors import UserError
 from admm_dist.engine.comm.base import MODES, CommError, Communicator, check_mode
+from admm_dist.engine.comm.blocks import IN_PROCESS, BlockCommunicator
 from admm_dist.engine.comm.local import LocalCommunicator
 from admm_dist.engine.comm.meter import CONSENSUS, TELEMETRY, ByteMeter, chunk_bounds, chunk_sizes, ring_bytes_per_rank
 from admm_dist.engine.comm.process_group import (
@@ -22,6 +24,7 @@ from admm_dist.engine.comm.process_group import (
     ProcessGroupCommunicator,
     RingCommunicator,
 )
+from admm_dist.engine.comm.placement import blocks
 from admm_dist.engine.comm.topology import TOPOLOGIES, metropolis_weights, mixing_matrix, neighbours
 
 COMM_BACKENDS = ("auto", "process_group", "local")   # one process per node, all in one, or by the group
@@ -32,7 +35,8 @@ _PG_IMPLS = {"coordinator": CoordinatorCommunicator, "ring": RingCommunicator,
 def make_communicator(mode: str, *, n_nodes: int, topology: str = "ring", gossip_steps: int = 1,
                       timeout: Optional[datetime.timedelta] = None,
                       backend: str = "auto", meter: Optional[ByteMeter] = None) -> Communicator:
-    """Pick the implementation: ``process_group`` (one node per rank) or ``local``.
+    """Pick the implementation: ``process_group`` (one node per rank, or a block of nodes per
+    rank when the world is smaller than ``n_nodes``) or ``local``.
 
     ``backend="auto"`` uses the process group when one is initialised and
     simulates every node in this process otherwise.
@@ -45,15 +49,17 @@ def make_communicator(mode: str, *, n_nodes: int, topology: str = "ring", gossip
         return LocalCommunicator(mode=mode, n_nodes=n_nodes, topology=topology,
                                  gossip_steps=gossip_steps, meter=meter)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world != n_nodes:
-        raise UserError(f"world size {world} != number of nodes {n_nodes}: launch with "
-                        f"torchrun --nproc_per_node {n_nodes} (one rank per node)")
-    return _PG_IMPLS[mode](timeout=timeout or datetime.timedelta(seconds=DEFAULT_TIMEOUT_S), topology=topology,
-                           gossip_steps=gossip_steps, meter=meter)
+    blocks(n_nodes, world)   # W > N is refused, naming the fix
+    timeout = timeout or datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    if world < n_nodes:      # several nodes per rank
+        return BlockCommunicator(mode=mode, n_nodes=n_nodes, timeout=timeout, topology=topology,
+                                 gossip_steps=gossip_steps, meter=meter)
+    return _PG_IMPLS[mode](timeout=timeout, topology=topology, gossip_steps=gossip_steps, meter=meter)
 
 
 __all__ = [
-    "MODES", "TOPOLOGIES", "CONSENSUS", "TELEMETRY", "ByteMeter", "CommError", "Communicator",
+    "MODES", "TOPOLOGIES", "CONSENSUS", "TELEMETRY", "IN_PROCESS", "ByteMeter", "CommError", "Communicator",
+    "BlockCommunicator",
     "LocalCommunicator", "ProcessGroupCommunicator", "CoordinatorCommunicator",
     "RingCommunicator", "GossipCommunicator", "make_communicator", "chunk_bounds",
     "chunk_sizes", "ring_bytes_per_rank", "neighbours", "metropolis_weights", "mixing_matrix",

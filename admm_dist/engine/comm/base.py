@@ -32,6 +32,23 @@ class CommError(RunError):
     """A communication step failed (a peer died, timed out, or disagreed)."""
 
 
+def first_line(e: BaseException) -> str:
+    """A backend's error as one short line (gloo and NCCL raise long multi-line texts)."""
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def wait_all(works: Sequence, timeout, what: str, rank: int) -> None:
+    """Wait for every pending operation, each bounded by ``timeout``; a failure or a timeout is
+    a :class:`CommError` naming the rank and the step."""
+    try:
+        for w in works:
+            w.wait(timeout)
+    except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with long texts
+        raise CommError(f"rank {rank}: {what} failed or timed out after "
+                        f"{timeout.total_seconds():.0f}s ({first_line(e)})") from e
+
+
 def check_mode(mode: str, topology: str, gossip_steps: int) -> None:
     if mode not in MODES:
         raise UserError(f"consensus={mode!r} is unknown: choose one of {', '.join(MODES)}")
@@ -77,6 +94,10 @@ class Communicator(abc.ABC):
     def exact(self) -> bool:
         """True when consensus_ returns the exact mean (every z_i is one point z)."""
         return self.mode != "gossip" or self.n_nodes == 1
+
+    def rank_blocks(self) -> List[range]:
+        """The nodes of each rank, in rank order (one rank per node unless overridden)."""
+        return [range(i, i + 1) for i in range(self.n_nodes)]
 
     def degree(self, node: int) -> int:
         return len(self.neighbours[node])

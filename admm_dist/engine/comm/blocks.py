@@ -25,16 +25,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from admm_dist.engine.comm.base import CommError, Communicator, gossip_combine, ring_accumulate
+from admm_dist.engine.comm.base import CommError, Communicator, first_line, gossip_combine, ring_accumulate, wait_all
 from admm_dist.engine.comm.meter import CONSENSUS, chunk_bounds
 from admm_dist.engine.comm.placement import blocks, owners
 
 IN_PROCESS = "in_process"   # the bytes a hop between two nodes of one rank copies in memory
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 class BlockCommunicator(Communicator):
@@ -56,6 +51,9 @@ class BlockCommunicator(Communicator):
         self.index: Dict[int, int] = {node: j for j, node in enumerate(self.nodes)}
 
     # -- placement --------------------------------------------------------------
+    def rank_blocks(self) -> List[range]:
+        return list(self.blocks)
+
     def mine(self, node: int) -> bool:
         return self.owner[node] == self.rank
 
@@ -80,12 +78,7 @@ class BlockCommunicator(Communicator):
         self.meter.add(dst, "copy", recv=nbytes, phase=IN_PROCESS)
 
     def _wait(self, works: Sequence, what: str) -> None:
-        try:
-            for w in works:
-                w.wait(self.timeout)
-        except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with long texts
-            raise CommError(f"rank {self.rank}: {what} failed or timed out after "
-                            f"{self.timeout.total_seconds():.0f}s ({_first_line(e)})") from e
+        wait_all(works, self.timeout, what, self.rank)
 
     def _exchange(self, hops: List[Tuple[int, int, Optional[torch.Tensor], Optional[torch.Tensor]]],
                   what: str) -> None:
@@ -102,7 +95,7 @@ class BlockCommunicator(Communicator):
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as e:  # a peer that died is reported when the next message is posted
-            raise CommError(f"rank {self.rank}: posting the messages of {what} failed ({_first_line(e)})") from e
+            raise CommError(f"rank {self.rank}: posting the messages of {what} failed ({first_line(e)})") from e
         self._wait(works, what)
 
     # -- consensus ---------------------------------------------------------------

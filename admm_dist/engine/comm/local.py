@@ -8,7 +8,7 @@ bytes that node would have sent and received.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Sequence
 
 import torch
 
@@ -21,6 +21,9 @@ class LocalCommunicator(Communicator):
                  gossip_steps: int = 1, meter=None) -> None:
         super().__init__(mode=mode, n_nodes=n_nodes, nodes=range(n_nodes),
                          topology=topology, gossip_steps=gossip_steps, meter=meter)
+
+    def rank_blocks(self) -> List[range]:
+        return [range(self.n_nodes)]
 
     def consensus_(self, vectors: Sequence[torch.Tensor]) -> None:
         self._check_vectors(vectors)

@@ -20,13 +20,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from admm_dist.engine.comm.base import CommError, Communicator, gossip_combine, ring_accumulate
+from admm_dist.engine.comm.base import CommError, Communicator, first_line, gossip_combine, ring_accumulate, wait_all
 from admm_dist.engine.comm.meter import CONSENSUS, chunk_bounds
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 class ProcessGroupCommunicator(Communicator):
@@ -62,15 +57,10 @@ class ProcessGroupCommunicator(Communicator):
             return fn(t, group=self.group, **peer)
         except Exception as e:  # a peer that died is reported when the next message is posted
             raise CommError(f"rank {self.rank}: posting {fn.__name__} to/from {peer} failed "
-                            f"({_first_line(e)})") from e
+                            f"({first_line(e)})") from e
 
     def _wait(self, works: Sequence, what: str) -> None:
-        try:
-            for w in works:
-                w.wait(self.timeout)
-        except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with long texts
-            raise CommError(f"rank {self.rank}: {what} failed or timed out after "
-                            f"{self.timeout.total_seconds():.0f}s ({_first_line(e)})") from e
+        wait_all(works, self.timeout, what, self.rank)
 
     def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         s = self._scratch
