@@ -122,6 +122,16 @@ def foreign_rounds(root: str, fingerprint: str) -> List[int]:
     return out
 
 
+def previous_of(root: str, k: int, node: int) -> int:
+    """The checkpoint round that node ``node``'s round ``k`` followed (0: the first, or unknown)."""
+    try:
+        with open(os.path.join(round_dir(root, k), f"node-{node}.json")) as fh:
+            prev = json.load(fh).get("previous", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return prev if isinstance(prev, int) and not isinstance(prev, bool) else 0
+
+
 # What a checkpoint must hold: tensor name -> dtype (None: any float), and JSON key -> type(s).
 TENSORS = {"x": None, "z": None, "u": None, "rng_cpu": torch.uint8}
 META = {"fingerprint": str, "adam_step": (int, float), "sampler": (dict, type(None)), "history": list,

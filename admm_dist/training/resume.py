@@ -35,6 +35,7 @@ def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: 
     dead peer), so no rank ever prunes the last round every rank completed."""
     k = engine.round
     history = [r.as_dict() for r in engine.history]
+    before = [r for r in ckpt.completed_rounds(root, nodes, fingerprint) if r < k]
     for j, node in enumerate(nodes):
         st = state[node]
         opt_state = st.optimizer.state.get(param, {})
@@ -48,7 +49,9 @@ def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: 
                 "dev_curve": report.get("dev_curve", []),
                 "rho": engine.state_dict()["rho"],
                 "best": None if best is None else best.meta(),
-                "resumable": dict(resumable)}
+                "resumable": dict(resumable),
+                # the checkpoint before this one: every node must hold it or this one
+                "previous": before[-1] if before else 0}
         if best is not None:
             tensors["best_z"] = best.z
         ckpt.save_node(root, k, node, tensors, meta,   # faults: tests only, a kill inside this write
@@ -65,10 +68,21 @@ def agreed_round(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int], r
     for k in ckpt.all_rounds(root):    # temporaries of a killed write: never read, removed now
         ckpt.remove_orphans(ckpt.round_dir(root, k), nodes)
     mine = ckpt.completed_rounds(root, nodes, fingerprint)
-    foreign = bool(ckpt.foreign_rounds(root, fingerprint))
-    row = [float(mine[-1] if mine else 0), float(foreign), float(mine[-1] if mine else 0)]
-    table = comm.gather_rows(torch.tensor([row] * len(nodes), dtype=torch.float64))
-    agreed, newest = int(table[:, 0].min().item()), int(table[:, 2].max().item())
+    foreign = float(bool(ckpt.foreign_rounds(root, fingerprint)))
+    rows = []
+    for node in nodes:   # per node: its newest round, and the checkpoint that round followed
+        own = ckpt.completed_rounds(root, [node], fingerprint)
+        rows.append([float(own[-1] if own else 0), foreign,
+                     float(ckpt.previous_of(root, own[-1], node) if own else 0)])
+    table = comm.gather_rows(torch.tensor(rows, dtype=torch.float64))
+    agreed, newest = int(table[:, 0].min().item()), int(table[:, 0].max().item())
+    required = int(table[:, 2].max().item())
+    missing = [i for i in range(table.shape[0]) if table[i, 0].item() < required]
+    if missing:
+        raise CheckpointError(
+            f"resume auto: the checkpoints in {root} lack node(s) {missing}: the other nodes hold round "
+            f"{newest}, written after round {required}, which every node must hold; restore the missing "
+            "node files (node-<i>.json and .safetensors), or start again with overwrite=true")
     if table[:, 1].max().item() > 0 and agreed == 0:
         raise CheckpointError(
             f"resume auto: the checkpoints in {root} were written by another run (other settings, fit set "

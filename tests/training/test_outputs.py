@@ -346,3 +346,23 @@ def test_results_move_together_or_not_at_all(assets, tmp_path, capsys):
     with safe_open(str(tmp_path / "runs" / "run" / "node-0.safetensors"), framework="pt") as fh:
         assert fh.metadata()["round"] == "3"
     assert json.loads(_bytes(tmp_path / "reports" / "run-train.json"))["rounds"][-1]["round"] == 3
+
+
+def test_a_checkpoint_that_lacks_a_node_is_refused_naming_it(assets, tmp_path, capsys):
+    assert _run(capsys, assets, tmp_path, k_outer=3)[0] == 0
+    root = tmp_path / "runs" / "run.ckpt"
+    for ext in ("json", "safetensors"):          # round 3 without node 2: a write killed there
+        (root / "round-000003" / f"node-2.{ext}").unlink()
+    before = _snapshot(tmp_path)
+    for k in (1, 2):                             # and node 2 lost from the rounds before
+        for ext in ("json", "safetensors"):
+            (root / f"round-00000{k}" / f"node-2.{ext}").unlink()
+    rc, err = _run(capsys, assets, tmp_path, k_outer=4, resume="auto")
+    assert rc == 2 and len(err) == 1 and "lack node(s) [2]" in err[0] and "round 2" in err[0], err
+    for path, data in before.items():            # restored: the round every node holds is round 2
+        if not os.path.exists(path):
+            with open(path, "wb") as fh:
+                fh.write(data)
+    assert _run(capsys, assets, tmp_path, k_outer=4, resume="auto")[0] == 0
+    report = json.loads(_bytes(tmp_path / "reports" / "run-train.json"))
+    assert report["resumed"]["after_round"] == 2

@@ -202,6 +202,26 @@ def test_fewer_ranks_than_nodes_train_the_oracles_nodes(consensus, assets, tmp_p
     assert rep["n_nodes"] == N and len(rep["rounds"][-1]["f"]) == N
 
 
+@pytest.mark.parametrize("consensus", ["ring", "gossip"])
+def test_a_run_resumes_onto_another_world_size_bit_for_bit(consensus, assets, tmp_path):
+    """Checkpoints are per node: 2 rounds on 3 ranks, then resume=auto on 2 ranks, then on one
+    process, ends where one uninterrupted single-process run ends, bit for bit."""
+    import dataclasses
+
+    kw = dict(consensus=consensus, topology="chain") if consensus == "gossip" else dict(consensus=consensus)
+    clean = _cfg(assets, tmp_path / "clean", k_outer=4, **kw)
+    train_local(clean)
+    moved = _cfg(assets, tmp_path / "moved", k_outer=2, **kw)
+    launch_cpu(_train_worker, N, moved, timeout_s=120)
+    launch_cpu(_train_worker, 2, dataclasses.replace(moved, k_outer=3, resume="auto"), timeout_s=120)
+    report = train_local(dataclasses.replace(moved, k_outer=4, resume="auto"))
+    assert report["resumed"]["after_round"] == 3 and len(report["rounds"]) == 4
+    for i in range(N):
+        a = load_file(os.path.join(clean.out, f"node-{i}.safetensors"))
+        b = load_file(os.path.join(moved.out, f"node-{i}.safetensors"))
+        assert all(torch.equal(a[k], b[k]) for k in ("x", "z", "u")), (consensus, i)
+
+
 def test_non_finite_loss_stops_every_rank_with_round_and_node(assets, tmp_path, monkeypatch, capfd):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
