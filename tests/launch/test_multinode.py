@@ -103,7 +103,7 @@ def test_two_nodes_preempted_requeued_match_four_ranks_on_one_host(two_nodes, as
     # leave together once one of them has the warning, removing their pid files)
     assert f"SIGUSR2: asked {N} worker(s) of job {job} " in log, log[-3000:]
     assert "without the go" not in log, log[-3000:]   # both nodes asked theirs on the one go
-    assert log.count(f"on {names[0]},{names[1]}: 2 node(s) x 2 rank(s) = 4 seat(s); rendezvous {net.addr[0]}:") == 2
+    assert log.count(f"on {names[0]},{names[1]}: 2 node(s) x 2 rank(s) = 4 rank(s); rendezvous {net.addr[0]}:") == 2
     assert "preempted after round" in log and "requeueing job" in log and "continuing after round" in log
     assert "Traceback" not in log
     assert_same_outputs(sub / "cut", sub / "ref", range(N))
