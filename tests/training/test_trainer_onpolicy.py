@@ -50,10 +50,11 @@ def test_recollection_takes_fresh_queries_and_the_cache_is_keyed(tmp_path):
         train_local(_cfg(tmp_path / "other", fitset_cache=str(cache), group=5))
 
 
-def test_four_gloo_ranks_collect_and_train_like_one_process(tmp_path):
+@pytest.mark.parametrize("world", [4, 2])    # 2: two nodes per rank, one collection share per rank
+def test_gloo_ranks_collect_and_train_like_one_process(tmp_path, world):
     local = _cfg(tmp_path / "local")
     dist = _cfg(tmp_path / "dist")
-    launch_cpu(_worker, 4, dist, timeout_s=300)
+    launch_cpu(_worker, world, dist, timeout_s=300)
     rep = train_local(local)
     zd = load_file(str(tmp_path / "dist" / "run-last.safetensors"))
     zl = load_file(str(tmp_path / "local" / "run-last.safetensors"))
