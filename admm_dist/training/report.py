@@ -56,6 +56,7 @@ class TrainReport:
     x1_norm_curve: List[float] = UNSET
     comm_bytes_per_round_per_node: List[List[int]] = UNSET
     backend: str = UNSET                           # the communicator's class
+    placement: List[List[int]] = UNSET             # the nodes of each rank, in rank order
     train_sec: float = UNSET
     delta_w_rel: Any = UNSET                       # float, or one per node when deployed locally
     deploy_required: Optional[str] = UNSET         # "local" or None

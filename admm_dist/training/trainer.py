@@ -413,6 +413,7 @@ class Trainer:
         report.x1_norm_curve = [r.x1_norm for r in hist]
         report.comm_bytes_per_round_per_node = [r.bytes_sent for r in hist]
         report.backend = self.comm.__class__.__name__
+        report.placement = [list(b) for b in self.comm.rank_blocks()]
         report.train_sec = round(time.time() - self.t_start, 2)
         deploy_local = cfg.local_only or not self.comm.exact
         result = [self.engine.x[j] if cfg.local_only else self.engine.z[j] for j in range(len(self.nodes))]
