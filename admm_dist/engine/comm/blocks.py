@@ -20,7 +20,7 @@ by the communicator's timeout.
 from __future__ import annotations
 
 import datetime
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -131,15 +131,8 @@ class BlockCommunicator(Communicator):
                  for node in self.nodes if not self.mine((node - 1) % n)}
         # Reduce-scatter, step s: node i hands chunk i-s to node i+1, which adds it to its own.
         for s in range(n - 1):
-            hops = []
-            for i in range(n):
-                dst = (i + 1) % n
-                if not (self.mine(i) or self.mine(dst)):
-                    continue
-                lo, hi = bounds[(i - s) % n]
-                payload = here[i][lo:hi] if self.mine(i) else None
-                landing = inbox[dst][:hi - lo] if self.mine(dst) and not self.mine(i) else None
-                hops.append((i, dst, payload, landing))
+            hops = self._ring_hops(here, bounds, lambda i: i - s,
+                                   lambda dst, lo, hi: inbox[dst][:hi - lo] if dst in inbox else None)
             self._exchange(hops, f"ring reduce-scatter step {s}")
             for i, dst, payload, landing in hops:
                 if not self.mine(dst):
@@ -155,20 +148,26 @@ class BlockCommunicator(Communicator):
             here[node][lo:hi].div_(n)
         # All-gather, step s: node i hands chunk i+1-s to node i+1, which takes it as is.
         for s in range(n - 1):
-            hops = []
-            for i in range(n):
-                dst = (i + 1) % n
-                if not (self.mine(i) or self.mine(dst)):
-                    continue
-                lo, hi = bounds[(i + 1 - s) % n]
-                payload = here[i][lo:hi] if self.mine(i) else None
-                landing = here[dst][lo:hi] if self.mine(dst) else None
-                hops.append((i, dst, payload, landing))
+            hops = self._ring_hops(here, bounds, lambda i: i + 1 - s, lambda dst, lo, hi: here[dst][lo:hi])
             self._exchange(hops, f"ring all-gather step {s}")
             for i, dst, payload, landing in hops:
                 if self.mine(i) and self.mine(dst):
                     self._copied(payload, i, dst)
                     landing.copy_(payload)
+
+    def _ring_hops(self, here: Dict[int, torch.Tensor], bounds: List[Tuple[int, int]], chunk: Callable[[int], int],
+                   landing: Callable[[int, int, int], Optional[torch.Tensor]]) -> List[tuple]:
+        """The hops of one ring step that touch this rank: node i hands chunk ``chunk(i)`` (mod N)
+        to node i+1; ``landing(dst, lo, hi)`` is where that chunk lands at a node of this rank."""
+        n = self.n_nodes
+        hops = []
+        for i in range(n):
+            dst = (i + 1) % n
+            if self.mine(i) or self.mine(dst):
+                lo, hi = bounds[chunk(i) % n]
+                hops.append((i, dst, here[i][lo:hi] if self.mine(i) else None,
+                             landing(dst, lo, hi) if self.mine(dst) else None))
+        return hops
 
     def _gossip(self, vs: Sequence[torch.Tensor]) -> None:
         here = {node: vs[j] for j, node in enumerate(self.nodes)}
