@@ -48,8 +48,8 @@ class _Where:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The command; ``argv`` None: ``sys.argv``, and this process is the command's own (an
-    interrupted run then ends it at once, see :func:`_leave`)."""
+    """The command; ``argv`` None: ``sys.argv``, and this process is the command's own (it
+    then ends at once when the run is over, see :func:`_leave`)."""
     own = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     where = _Where()
@@ -64,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except KeyboardInterrupt as e:   # anywhere: while starting, or while another stop was reported
             stop.hold()
             code = _interrupted(getattr(e, "signum", signal.SIGINT), where)
-        if own and stop.signum is not None and code == 128 + stop.signum:
+        if own:
             _leave(code)
         return code
     finally:
@@ -73,10 +73,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _leave(code: int) -> None:
-    """End an interrupted command's process now. Everything is written and the process group
-    destroyed, but the trainer's frames and reference cycles still hold the group's sockets
-    until the interpreter has finished exiting (seconds, with torch and transformers loaded): a
-    peer rank still waiting in a collective on this one would wait that long for its turn."""
+    """End the command's own process now, without the interpreter's finalization: everything
+    is written and the process group destroyed by then. Finalization would cost twice:
+    - an interrupted run's frames and reference cycles hold the group's sockets until the
+      interpreter has finished exiting (seconds, with torch and transformers loaded), and a
+      peer rank still waiting in a collective on this one would wait that long for its turn;
+    - a gloo worker thread that drops its last tensor while the interpreter finalizes ends in
+      ``std::terminate`` (SIGABRT, exit -6, about 1 CPU run in 20 before this), which turns a
+      finished run into a failed worker for torchrun."""
     with contextlib.suppress(Exception):
         logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

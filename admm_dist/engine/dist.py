@@ -18,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import itertools
 import os
 import re
+import time
+import uuid
 from typing import Iterator, Mapping, Optional
 
 import torch
@@ -32,7 +33,6 @@ from admm_dist.core.errors import UserError
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 DEVICE_FORMS = "auto, cpu, cuda or cuda:N"   # what a device setting may be (check_device)
 _CUDA_N = re.compile(r"cuda:[0-9]+")
-_GROUP_IDS = itertools.count(1)   # process groups this process created: each its own store key space
 
 
 class DistConfigError(UserError):
@@ -48,7 +48,6 @@ class DistEnv:
     local_rank: int = 0
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
-    restart_count: int = 0          # TORCHELASTIC_RESTART_COUNT: 0 on the first attempt
     agent_store: bool = False       # torchrun's agent hosts the TCPStore
 
     def __post_init__(self) -> None:
@@ -91,7 +90,6 @@ def read_env(env: Optional[Mapping[str, str]] = None) -> DistEnv:
         local_rank=_int(env, "LOCAL_RANK", 0),
         master_addr=env.get("MASTER_ADDR") or None,
         master_port=int(port) if port else None,
-        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
@@ -154,15 +152,64 @@ class DistContext:
         return self.env.world_size
 
 
+_POLL_S = 0.05   # how often rank 0 looks for joining ranks while a generation forms
+
+
+def agree_generation(store: dist.Store, rank: int, world_size: int,
+                     timeout: datetime.timedelta) -> int:
+    """A number that every rank of this process group, and no rank of an earlier one, holds.
+
+    torchrun's agent keeps one store for the whole job, across restarts and membership
+    changes, and tells a worker nothing that names the current rendezvous round: the
+    restart counts of two agents differ once a host has left or come back (pytorch#135712),
+    so keys built from them would mix a live attempt with a dead one. Instead rank 0 draws
+    a fresh generation with an atomic ``add``; every other rank posts a random nonce under
+    its rank, rank 0 answers each nonce it sees with the generation, and the rank confirms.
+    A stale nonce left by a dead attempt is answered too, but nobody confirms it, so rank 0
+    waits until each rank of *this* group has confirmed. Every wait is bounded by ``timeout``.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    base = f"admm_dist/agree/w{world_size}"
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"{base}/join/{rank}", nonce)
+        grant = f"admm_dist/agree/grant/{nonce}"
+        store.wait([grant], timeout)
+        generation = int(store.get(grant))
+        store.set(f"{base}/ack/{generation}/{rank}", b"1")
+        return generation
+    generation = int(store.add("admm_dist/generation", 1))
+    pending = set(range(1, world_size))
+    answered: dict[int, bytes] = {}
+    while pending:
+        for r in sorted(pending):
+            join = f"{base}/join/{r}"
+            if store.check([join]):
+                nonce = store.get(join)
+                if answered.get(r) != nonce:
+                    store.set(f"admm_dist/agree/grant/{nonce.decode()}", str(generation))
+                    answered[r] = nonce
+            if store.check([f"{base}/ack/{generation}/{r}"]):
+                pending.discard(r)
+        if not pending:
+            break
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(
+                f"rank(s) {sorted(pending)} did not join generation {generation} of the "
+                f"{world_size}-rank group within {timeout.total_seconds():g} s")
+        time.sleep(_POLL_S)
+    return generation
+
+
 def _init_group(env: DistEnv, backend: str, timeout: datetime.timedelta, from_environ: bool,
                 kwargs: dict) -> None:
     if env.agent_store:
-        # torchrun's agent keeps one store across restarts: give every attempt its own
-        # key space, or a restarted rank would read the dead attempt's addresses.
+        # torchrun's agent keeps one store across restarts: give every group its own
+        # key space, or a restarted rank would read a dead attempt's addresses.
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                               is_master=False, timeout=timeout)
-        group_id = next(_GROUP_IDS)   # every rank sets up the same sequence of groups: same keys on all
-        store = dist.PrefixStore(f"admm_dist/attempt_{env.restart_count}/group_{group_id}", store)
+        generation = agree_generation(store, env.rank, env.world_size, timeout)
+        store = dist.PrefixStore(f"admm_dist/gen_{generation}", store)
         dist.init_process_group(backend=backend, store=store, rank=env.rank,
                                 world_size=env.world_size, timeout=timeout, **kwargs)
     else:

@@ -83,3 +83,53 @@ def test_process_group_is_torn_down_on_failure_and_success():
         assert s["initialized_after"] is False
         assert s["second_sum"] == 2.0
         assert s["initialized_end"] is False
+
+
+def _agent_store_rank(rank, port, restart_count, out):
+    """One worker of a torchrun job whose agent keeps the store across rendezvous rounds."""
+    import os
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      TORCHELASTIC_RESTART_COUNT=str(restart_count))
+    torch.set_num_threads(1)
+    with distributed("cpu", timeout_s=20) as ctx:
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        out.put((rank, t.item(), ctx.world_size))
+
+
+def test_ranks_of_a_new_round_agree_on_a_key_space_whatever_their_restart_counts():
+    """torchrun's shared store outlives a round; after a host left or came back, the agents'
+    restart counts differ (pytorch#135712) and a dead round's keys are still there. The ranks
+    must still meet in one fresh key space, and a stale join of the dead round must not count."""
+    import multiprocessing as mp
+    import socket
+
+    from admm_dist.engine.dist import agree_generation  # noqa: F401  (the protocol under test)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=__import__("datetime").timedelta(seconds=20))
+    # What a dead round left: a join that nobody will confirm, a drawn generation, and the
+    # init keys of that round's group.
+    store.set("admm_dist/agree/w2/join/1", "0" * 32)
+    store.add("admm_dist/generation", 4)
+    store.set("admm_dist/gen_4/rank_0/addr", "10.9.9.9:1")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_agent_store_rank, args=(r, port, rc, out)) for r, rc in ((0, 0), (1, 3))]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(out.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    assert got == [(0, 3.0, 2), (1, 3.0, 2)]
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert int(store.add("admm_dist/generation", 0)) == 5   # one fresh generation, drawn once
+    assert store.check(["admm_dist/agree/w2/ack/5/1"])

@@ -1,12 +1,15 @@
 """Two SLURM nodes on one host: each slurmd in its own network + UTS + mount namespace, joined
 by a veth pair (tests/cluster.py). launch/slurm.sbatch runs 2 nodes x 2 ranks = 4 seats over
 the veth (gloo), is preempted by USR2 (forwarded on both nodes), requeued, resumes, and ends
-bit-identical to a 4-rank run on one host.
+bit-identical to a 4-rank run on one host. Its elastic form (``MIN_NODES=1 MAX_RESTARTS=3``,
+``sbatch --no-kill``) loses node b (its torchrun agent and workers SIGKILLed by PID mid-run): node a
+goes on alone with all four seats and the job completes, again bit-identical.
 
 Slow (``python3 -m pytest -m slow tests/launch/test_multinode.py``); needs root, slurm-wlm, iproute2
 and util-linux (ip, nsenter, unshare), and permission to create network namespaces.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,3 +111,70 @@ def test_two_nodes_preempted_requeued_match_four_ranks_on_one_host(two_nodes, as
     assert "Traceback" not in log
     assert_same_outputs(sub / "cut", sub / "ref", range(N))
     print(f"two-node test: {time.monotonic() - t0:.1f} s: USR2 at {t_usr2 - t0:.1f} s, done at {t_done - t0:.1f} s")
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.timeout(600)
+def test_elastic_job_goes_on_on_one_node_when_the_other_is_lost(two_nodes, assets, tmp_path):
+    t0 = time.monotonic()
+    cluster, net, names = two_nodes
+    sub = submit_dir(tmp_path)
+    k = 24
+    conf = "join_timeout=120,last_call_timeout=3,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
+    env = dict(NPROC_PER_NODE="2", VENV=sys.prefix, GLOO_SOCKET_IFNAME=net.ifname[0], OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO), MIN_NODES="1", MAX_RESTARTS="3", RDZV_CONF=conf, PYTHONUNBUFFERED="1")
+    extra = dict(k_outer=k, local_steps=30, keep_checkpoints=3, quiet="false")
+    # the reference first: 2 ranks on this host, uninterrupted (the job's rounds must not race it)
+    renv = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "--max-restarts", "1", "-m", "admm_dist.train"] + train_args(assets, sub / "ref", **extra),
+                         env=renv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stdout[-3000:]
+    job = cluster.sbatch(SCRIPT, ["admm_dist.train"] + train_args(assets, sub / "cut", **extra),
+                         options=["--nodes=2", "--no-kill"], cwd=str(sub), env=env)
+
+    def rounds():
+        return [int(m) for m in re.findall(r"^round +(\d+)/", log_of(sub, job), re.M)]
+
+    try:
+        wait_for(lambda: max(rounds(), default=0) >= 4 or cluster.state(job) not in ("PENDING", "RUNNING", ""),
+                 300, "round 4 of the two-node job")
+    except TimeoutError:
+        pytest.fail(f"no round 4: {cluster.job(job)}\n{log_of(sub, job)[-3000:]}")
+    b_workers = [int(p.read_text().strip()) for p in pids_of(sub, job) if p.name.startswith(names[1])]
+    assert len(b_workers) == 2, (pids_of(sub, job), cluster.job(job), log_of(sub, job)[-3000:])
+    agent = {_ppid(w) for w in b_workers}
+    assert len(agent) == 1, agent
+    victims = sorted(agent) + b_workers      # node b's torchrun agent (the srun task) and its workers
+    at = len(log_of(sub, job))
+    t_kill = time.monotonic()
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in victims:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def resumed_round():   # node a's restarted workers resumed, then completed a round
+        after = log_of(sub, job)[at:].split("resume auto: continuing after round", 1)
+        return len(after) == 2 and re.search(r"^round +\d+/", after[1], re.M)
+
+    try:
+        wait_for(lambda: resumed_round() or cluster.state(job) not in ("PENDING", "RUNNING", ""),
+                 300, "a round on the surviving node")
+    except TimeoutError as e:
+        pytest.fail(f"{e}: {cluster.job(job)}\n{log_of(sub, job)[-3000:]}")
+    t_first = time.monotonic()
+    info = cluster.wait_done(job, 400)
+    log = log_of(sub, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log[-3000:])
+    assert "elastic: torchrun --nnodes 1:2 --max-restarts 3" in log, log[-3000:]
+    assert "is that of a node lost on the way: exiting 0" in log, log[-3000:]   # node b's task: SIGKILL
+    assert re.search(rf"^round +{k}/{k} ", log, re.M), log[-3000:]
+    assert_same_outputs(sub / "cut", sub / "ref", range(N))
+    print(f"elastic SLURM test: {time.monotonic() - t0:.1f} s; node b lost after round 4: a round on node a "
+          f"{t_first - t_kill:.1f} s later; the job's last line: {log.strip().splitlines()[-1]}")

@@ -228,20 +228,26 @@ def test_four_nodes_on_any_number_of_ranks_equal_one_process(consensus, world, t
 
 
 @pytest.mark.parametrize("consensus", ["ring", "gossip"])
-def test_a_run_resumes_onto_another_world_size_bit_for_bit(consensus, assets, tmp_path):
-    """Checkpoints are per node: 2 rounds on 3 ranks, then resume=auto on 2 ranks, then on one
-    process, ends where one uninterrupted single-process run ends, bit for bit."""
+def test_a_run_resumes_onto_another_world_size_bit_for_bit(consensus, tiny_assets, tmp_path):
+    """Checkpoints are per node: N = 4 nodes, 2 rounds on 4 ranks, then resume=auto on 2 ranks,
+    then on 3 (blocks 2, 1, 1), ends where one uninterrupted single-process run ends, bit for bit."""
     import dataclasses
 
-    kw = dict(consensus=consensus, topology="chain") if consensus == "gossip" else dict(consensus=consensus)
-    clean = _cfg(assets, tmp_path / "clean", k_outer=4, **kw)
+    four = tiny_assets(4)
+    four = {"backbone": four["backbone"], "dpo": four["fit"]}
+    kw = dict(n_agents=4, consensus=consensus, **(dict(topology="chain") if consensus == "gossip" else {}))
+    clean = _cfg(four, tmp_path / "clean", k_outer=4, **kw)
     train_local(clean)
-    moved = _cfg(assets, tmp_path / "moved", k_outer=2, **kw)
-    launch_cpu(_train_worker, N, moved, timeout_s=120)
+    moved = _cfg(four, tmp_path / "moved", k_outer=2, **kw)
+    launch_cpu(_train_worker, 4, moved, timeout_s=120)
     launch_cpu(_train_worker, 2, dataclasses.replace(moved, k_outer=3, resume="auto"), timeout_s=120)
-    report = train_local(dataclasses.replace(moved, k_outer=4, resume="auto"))
+    launch_cpu(_train_worker, 3, dataclasses.replace(moved, k_outer=4, resume="auto"), timeout_s=120)
+    report = json.loads((tmp_path / "moved" / "reports" / "run-train.json").read_text())
     assert report["resumed"]["after_round"] == 3 and len(report["rounds"]) == 4
-    for i in range(N):
+    assert report["placement"] == [[0, 1], [2], [3]]
+    assert torch.equal(load_file(clean.out + "-last.safetensors")["b"],
+                       load_file(moved.out + "-last.safetensors")["b"])
+    for i in range(4):
         a = load_file(os.path.join(clean.out, f"node-{i}.safetensors"))
         b = load_file(os.path.join(moved.out, f"node-{i}.safetensors"))
         assert all(torch.equal(a[k], b[k]) for k in ("x", "z", "u")), (consensus, i)
