@@ -16,7 +16,7 @@ import os
 import resource
 import time
 import warnings
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 
 class CpuClock:
@@ -103,3 +103,24 @@ def hush_future_warnings() -> None:
     """Keep the libraries' deprecation chatter (e.g. transformers' is_gradient_checkpointing,
     read by PEFT) out of the table."""
     warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def descendants(pid: int) -> List[int]:
+    """Live descendants of ``pid`` (by PID, from /proc; torchrun starts its workers in their own
+    sessions, so a process group would not reach them)."""
+    kids: Dict[int, List[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        kids.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out

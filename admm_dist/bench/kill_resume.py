@@ -53,6 +53,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
+from admm_dist.bench.common import descendants
+
 N_AGENTS = 4
 KEEPS = (1, 3)
 DEFAULT_K_OUTER = 5
@@ -91,27 +93,6 @@ def train_args(assets: Dict[str, str], folder: str, *, keep: int, k_outer: int, 
 
 
 # --------------------------------------------------------------------------- one launch
-def _descendants(pid: int) -> List[int]:
-    """Live descendants of ``pid`` (by PID, from /proc; torchrun starts its workers in their own
-    sessions, so a process group would not reach them)."""
-    kids: Dict[int, List[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        kids.setdefault(ppid, []).append(int(name))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def torchrun(args: Sequence[str], log_path: str, *, fault: Optional[str], timeout_s: float) -> int:
     """``torchrun --standalone --nproc_per_node 4 --max-restarts 0 -m admm_dist.train ARGS``, its
     output in ``log_path``; the exit status (124 when it ran past ``timeout_s``: torchrun gets
@@ -131,7 +112,7 @@ def torchrun(args: Sequence[str], log_path: str, *, fault: Optional[str], timeou
         try:
             return p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            left = _descendants(p.pid)
+            left = descendants(p.pid)
             p.send_signal(signal.SIGTERM)
             try:
                 p.wait(timeout=30)
