@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -199,13 +200,23 @@ def resumed_after(log_path: str) -> Optional[int]:
 
 
 def killed_ranks(log_path: str) -> List[int]:
-    """The local ranks torchrun reported ended by SIGKILL (``failed (exitcode: -9) local_rank: R``):
-    the planned fault fired on the rank holding the node (rank i holds node i of 4)."""
+    """The local ranks torchrun reported ended by SIGKILL: the planned fault fired on the rank
+    holding the node (rank i holds node i of 4). torchrun names its first observed failure in
+    one line (``failed (exitcode: -9) local_rank: R``) and every failed rank in its summary
+    (``local_rank: R)`` then ``exitcode  : -9``); the killed rank need not be the first observed,
+    since its peers fail within milliseconds of it."""
     out = []
+    rank = None
     with open(log_path, errors="replace") as fh:
         for line in fh:
             if "(exitcode: -9) local_rank: " in line:
                 out.append(int(line.split("(exitcode: -9) local_rank: ", 1)[1].split()[0]))
+            m = re.search(r"\(local_rank: (\d+)\)", line)
+            if m:
+                rank = int(m.group(1))
+            elif rank is not None and re.match(r"\s*exitcode\s*: -9\b", line):
+                out.append(rank)
+                rank = None
     return sorted(set(out))
 
 

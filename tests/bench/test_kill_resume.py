@@ -44,6 +44,54 @@ def test_leftovers_are_temporaries_and_staged_results(tmp_path):
                                            "runs/run.ckpt/round-000002/.node-1.json.abc.tmp"]
     assert kr.rounds_left(str(tmp_path)) == [2]
 
+SUMMARY = """E1203 08:39:21.357000 16806 .../multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 16811) of binary: python3
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+admm_dist.train FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-03_08:39:21
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 16812) 
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+[2]:
+  time      : 2026-12-03_08:39:21
+  host      : localhost
+  rank      : 2 (local_rank: 2)
+  exitcode  : 1 (pid: 16813) 
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+[3]:
+  time      : 2026-12-03_08:39:21
+  host      : localhost
+  rank      : 3 (local_rank: 3)
+  exitcode  : -9 (pid: 16814)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 16814
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-03_08:39:21
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 16811) 
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+"""
+
+
+def test_the_killed_rank_is_read_from_torchruns_failure_summary_too(tmp_path):
+    """Its peers fail within milliseconds of the killed rank, so torchrun may name one of them
+    as the first observed failure; the summary still lists the SIGKILL (torchrun 2.13's text)."""
+    log = tmp_path / "fault.log"
+    log.write_text(SUMMARY)
+    assert kr.killed_ranks(str(log)) == [3]
+    log.write_text("E1203 api.py:1002] failed (exitcode: -9) local_rank: 2 (pid: 5) of binary: python3\n")
+    assert kr.killed_ranks(str(log)) == [2]
+
 
 @pytest.mark.slow
 def test_two_killed_runs_resume_bit_identical(tmp_path, capsys):
