@@ -30,6 +30,8 @@ class Arm:
 ARMS = (
     Arm("ADMM-ring", (), "consensus", "consensus ADMM, exact mean over a ring (the default)"),
     Arm("ADMM-gossip", ("consensus=gossip",), "local", "inexact consensus by neighbour mixing"),
+    Arm("ADMM-decentralized", ("consensus=decentralized",), "local",
+        "node-based decentralized ADMM: one neighbour exchange per round, exact at convergence"),
     Arm("Centralized", ("pooled=true", "consensus=coordinator"), "consensus",
         "every example on one node: the pooled optimum ADMM approaches"),
     Arm("ADMM-Local", ("local_only=true",), "local", "ablation: no coupling, each seat alone"),

@@ -18,7 +18,7 @@ from admm_dist.core.errors import UserError
 from admm_dist.core.io import atomic_write_json
 from admm_dist.engine import lsq
 from admm_dist.engine.admm import RoundRecord
-from admm_dist.engine.comm import MODES, TOPOLOGIES
+from admm_dist.engine.comm import COMPRESSIONS, MODES, TOPOLOGIES
 from admm_dist.engine.dist import distributed
 
 PROG = "python -m admm_dist.cli.lsq"
@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--consensus", choices=MODES, default="ring")
     p.add_argument("--topology", choices=TOPOLOGIES, default="ring")
     p.add_argument("--gossip_steps", type=int, default=1)
+    p.add_argument("--compress", choices=COMPRESSIONS, default="none",
+                   help="payload of the z-step: fp32, or int8 / fp8 codes of the change against a public copy")
     p.add_argument("--rho", type=float, default=1.0)
     p.add_argument("--k_outer", type=int, default=60)
     p.add_argument("--xstep", choices=["exact", "adam"], default="exact")
@@ -71,11 +73,11 @@ def _run(args) -> int:
                                 gossip_steps=args.gossip_steps, rho=args.rho, rounds=args.k_outer,
                                 local_only=args.local_only, no_dual=args.no_dual, xstep=args.xstep,
                                 local_steps=args.local_steps, eta=args.eta, timeout=ctx.timeout,
-                                on_round=on_round)
+                                on_round=on_round, compress=args.compress)
         z = engine.comm.gather_rows(torch.stack(engine.z).double())
         rel = [float(torch.linalg.vector_norm(z[i] - x_star) / torch.linalg.vector_norm(x_star))
                for i in range(n)]
-        summary = {"nodes": n, "consensus": args.consensus, "rounds": args.k_outer,
+        summary = {"nodes": n, "consensus": args.consensus, "compress": args.compress, "rounds": args.k_outer,
                    "rel_error_to_optimum": rel,
                    "bytes_sent_per_node": [sum(r.bytes_sent[i] for r in history) for i in range(n)]}
         if ctx.rank == 0:

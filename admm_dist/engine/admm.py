@@ -11,6 +11,16 @@ layout. A round is:
 4. telemetry: f_i, primal residual ||x_i - z_i|| and its normalised form,
    dual residual rho ||z_i^k - z_i^{k-1}||, ||x_1||, bytes, seconds per phase.
 
+``consensus decentralized`` is node-based decentralized ADMM (Shi, Ling, Yuan, Wu, Yin, IEEE TSP
+62(7), 2014): x_i <- argmin f_i(x) + <alpha_i, x> + c sum_{j in N_i} ||x - (x_i + x_j)/2||^2,
+alpha_i += c sum_{j in N_i} (x_i - x_j). Completing the square, that is the same round with
+rho_i = 2 c d_i, z_i = (x_i + mean_{j in N_i} x_j) / 2 (the communicator's one neighbour
+exchange, fed x_i rather than x_i + u_i) and the scaled dual u_i = alpha_i / rho_i, which then
+moves by exactly x_i - z_i. One exchange of x per round serves the next x-step's centre and the
+dual, and the fixed point is the exact consensus optimum on any connected graph (sum_i alpha_i
+stays 0). c = rho / (2 * mean degree): see
+:meth:`~admm_dist.engine.comm.base.Communicator.penalty_scale`.
+
 Ablations: ``local_only`` (no coupling: rho = 0, no z/u exchange, z_i := x_i),
 ``no_dual`` (u_i stays 0). Pooled training is simply N = 1.
 
@@ -37,7 +47,7 @@ import torch
 
 from admm_dist.core.config_file import key
 from admm_dist.core.errors import RunError, UserError
-from admm_dist.engine.comm import CONSENSUS, IN_PROCESS, Communicator
+from admm_dist.engine.comm import CONSENSUS, DECENTRALIZED, IN_PROCESS, Communicator
 
 # x-step: (node, x (updated in place), proximal centre z_i - u_i or None, rho) -> f_i
 XStep = Callable[[int, torch.Tensor, Optional[torch.Tensor], float], float]
@@ -118,6 +128,8 @@ class ADMMEngine:
         self.u = [torch.zeros_like(v) for v in self.x]
         self.round = 0
         self._rho = float(config.rho)
+        self._scale = [comm.penalty_scale(node) for node in self.nodes]   # rho_i / rho
+        self._decentralized = comm.mode == DECENTRALIZED and comm.n_nodes > 1
         self.history: List[RoundRecord] = []
         self._prev = [torch.empty_like(v) for v in self.x]
 
@@ -157,7 +169,7 @@ class ADMMEngine:
         t0 = time.perf_counter()
         f_local = []
         for k, node in enumerate(self.nodes):
-            f_local.append(float(xstep(node, self.x[k], self.centre(k), self.rho)))
+            f_local.append(float(xstep(node, self.x[k], self.centre(k), self.rho * self._scale[k])))
         t1 = time.perf_counter()
 
         for k in range(len(self.nodes)):
@@ -167,7 +179,10 @@ class ADMMEngine:
                 self.z[k].copy_(self.x[k])
         else:
             for k in range(len(self.nodes)):
-                torch.add(self.x[k], self.u[k], out=self.z[k])
+                if self._decentralized:   # z_i = (x_i + mean_{j in N_i} x_j) / 2
+                    self.z[k].copy_(self.x[k])
+                else:
+                    torch.add(self.x[k], self.u[k], out=self.z[k])
             self.comm.consensus_(self.z)
         t2 = time.perf_counter()
 
@@ -182,7 +197,7 @@ class ADMMEngine:
                 f_local[k],
                 torch.linalg.vector_norm(self.x[k] - self.z[k]).item(),
                 torch.linalg.vector_norm(self.z[k]).item(),
-                self.rho * torch.linalg.vector_norm(self.z[k] - self._prev[k]).item(),
+                self.rho * self._scale[k] * torch.linalg.vector_norm(self.z[k] - self._prev[k]).item(),
                 torch.linalg.vector_norm(self.x[k]).item(),
                 c.sent, c.recv, copied, t1 - t0, t2 - t1, 0.0,
             ])

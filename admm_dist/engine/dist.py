@@ -166,7 +166,8 @@ def agree_generation(store: dist.Store, rank: int, world_size: int,
     a fresh generation with an atomic ``add``; every other rank posts a random nonce under
     its rank, rank 0 answers each nonce it sees with the generation, and the rank confirms.
     A stale nonce left by a dead attempt is answered too, but nobody confirms it, so rank 0
-    waits until each rank of *this* group has confirmed. Every wait is bounded by ``timeout``.
+    waits until each rank of *this* group has confirmed, then says go (or, past ``timeout``,
+    that it gave up, so no rank waits longer than ``timeout`` in all).
     """
     deadline = time.monotonic() + timeout.total_seconds()
     base = f"admm_dist/agree/w{world_size}"
@@ -177,6 +178,14 @@ def agree_generation(store: dist.Store, rank: int, world_size: int,
         store.wait([grant], timeout)
         generation = int(store.get(grant))
         store.set(f"{base}/ack/{generation}/{rank}", b"1")
+        while not store.check([f"{base}/go/{generation}"]):
+            if store.check([f"{base}/abort/{generation}"]):
+                raise dist.DistStoreError(f"rank 0 gave up forming generation {generation}: "
+                                          f"{store.get(f'{base}/abort/{generation}').decode()}")
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"rank 0 did not complete generation {generation} of the "
+                                          f"{world_size}-rank group within {timeout.total_seconds():g} s")
+            time.sleep(_POLL_S)
         return generation
     generation = int(store.add("admm_dist/generation", 1))
     pending = set(range(1, world_size))
@@ -194,10 +203,12 @@ def agree_generation(store: dist.Store, rank: int, world_size: int,
         if not pending:
             break
         if time.monotonic() > deadline:
-            raise dist.DistStoreError(
-                f"rank(s) {sorted(pending)} did not join generation {generation} of the "
-                f"{world_size}-rank group within {timeout.total_seconds():g} s")
+            why = (f"rank(s) {sorted(pending)} did not join generation {generation} of the "
+                   f"{world_size}-rank group within {timeout.total_seconds():g} s")
+            store.set(f"{base}/abort/{generation}", why)
+            raise dist.DistStoreError(why)
         time.sleep(_POLL_S)
+    store.set(f"{base}/go/{generation}", b"1")
     return generation
 
 

@@ -114,10 +114,11 @@ class LeastSquares:
 def solve(problem: LeastSquares, *, consensus: str = "ring", topology: str = "ring",
           gossip_steps: int = 1, rho: float = 1.0, rounds: int = 100, local_only: bool = False,
           no_dual: bool = False, xstep: str = "exact", local_steps: int = 16, eta: float = 0.05,
-          backend: str = "auto", timeout=None, on_round=None, rho_adapt: bool = False):
+          backend: str = "auto", timeout=None, on_round=None, rho_adapt: bool = False,
+          compress: str = "none"):
     """Run consensus ADMM on ``problem``; returns (engine, history)."""
     comm = make_communicator(consensus, n_nodes=problem.n_nodes, topology=topology,
-                             gossip_steps=gossip_steps, backend=backend, timeout=timeout)
+                             gossip_steps=gossip_steps, backend=backend, timeout=timeout, compress=compress)
     cfg = ADMMConfig(rho=rho, local_only=local_only, no_dual=no_dual, rho_adapt=rho_adapt)
     engine = ADMMEngine(comm, cfg, [torch.zeros(problem.dim) for _ in comm.nodes])
     step = (problem.exact_xstep() if xstep == "exact"

@@ -30,4 +30,4 @@ def build_communicator(cfg: TrainConfig, ctx: DistContext) -> Communicator:
         backend = "local"
     return make_communicator(cfg.consensus, n_nodes=n, topology=cfg.topology,
                              gossip_steps=cfg.gossip_steps, timeout=ctx.timeout,
-                             backend=backend)
+                             backend=backend, compress=cfg.compress)

@@ -31,7 +31,8 @@ from admm_dist.core.errors import UserError
 from admm_dist.data.derive import FIT_FILTERS
 from admm_dist.data.fitset import PARTITION_MODES
 from admm_dist.engine.admm import ADMMConfig
-from admm_dist.engine.comm import COMM_BACKENDS, MODES, TOPOLOGIES
+from admm_dist.engine.comm import COMM_BACKENDS, COMPRESSIONS, MODES, TOPOLOGIES, check_mode
+from admm_dist.engine.comm.compress import check_compress
 from admm_dist.engine.dist import DEVICE_FORMS, check_device
 from admm_dist.mas.chain import ChainConfig
 from admm_dist.mas.collection import LATER_KEYS, Collector
@@ -54,9 +55,13 @@ NON_SEMANTIC = frozenset({
 # iterates non-finite is lowered and the run continues): left out of the fingerprint, recorded in
 # every checkpoint, and a resumed run says which changed (docs/outputs.md).
 RESUMABLE = ("eta", "grad_clip")
-# The later keys (mas/collection.py) a checkpoint's fingerprint leaves out at their old value:
-# prefix_samples entered the fingerprint together with the key (always), only fit-set keys later.
-FINGERPRINT_LATER = {k: v for k, v in LATER_KEYS.items() if k != "prefix_samples"}
+# Training keys added after checkpoints were first written, with the value that reproduces such
+# a run: the fingerprint leaves them out at that value, so an older checkpoint still resumes.
+TRAINING_LATER = {"compress": "none"}
+# The later keys a checkpoint's fingerprint leaves out at their old value: the fit-set ones
+# (mas/collection.py; prefix_samples entered the fingerprint together with the key, so always)
+# and the training ones.
+FINGERPRINT_LATER = {**{k: v for k, v in LATER_KEYS.items() if k != "prefix_samples"}, **TRAINING_LATER}
 EMPTY_NODES = ("error", "prox")    # empty_nodes: refuse a node without examples, or give it f_i = 0
 RESUME_MODES = ("never", "auto")
 # --help's groups, in order; every key names one
@@ -168,11 +173,16 @@ class TrainConfig:
     grad_clip: float = key(0.01, "clip each local step's gradient to this norm (may change on resume=auto)",
                            group=ADMM)
     consensus: str = key("ring", "how the z-step averages: coordinator (one all_reduce), ring (ring "
-                         "all-reduce on send/recv), gossip (neighbour mixing on --topology; inexact)",
+                         "all-reduce on send/recv), gossip (neighbour mixing on --topology; inexact), "
+                         "decentralized (node-based decentralized ADMM on --topology: one neighbour "
+                         "exchange per round, exact; rho sets c = rho / (2 x mean degree))",
                          choices=MODES, group=ADMM)
-    topology: str = key("ring", "the gossip graph; grid is rows x cols, so a prime node count > 3 is "
+    topology: str = key("ring", "the graph of gossip and decentralized; grid is rows x cols, so a prime node count > 3 is "
                         "refused; chain is a path", choices=TOPOLOGIES, group=ADMM)
-    gossip_steps: int = key(1, "gossip mixing steps tau per z-step", group=ADMM)
+    gossip_steps: int = key(1, "gossip mixing steps tau per z-step (consensus gossip only)", group=ADMM)
+    compress: str = key("none", "z-step payload: none (fp32), int8 or fp8 (e4m3) codes with one fp32 scale per "
+                        "64 values, of each node's change against a public copy (exact at convergence; "
+                        "about 0.27x the bytes)", choices=COMPRESSIONS, group=ADMM)
     local_only: bool = from_component(ADMMConfig, "local_only", group=ADMM)
     no_dual: bool = from_component(ADMMConfig, "no_dual", group=ADMM)
     rho_adapt: bool = from_component(ADMMConfig, "rho_adapt", group=ADMM)
@@ -235,6 +245,8 @@ class TrainConfig:
                             "hold at least the queries kept")
         self.pass_band()
         self.seat_backbones()
+        check_mode(self.consensus, self.topology, self.gossip_steps)
+        check_compress(self.compress)
         for name in ("k_outer", "local_steps", "batch_size", "dev_every", "checkpoint_every",
                      "keep_checkpoints", "gossip_steps"):
             if getattr(self, name) < 1:

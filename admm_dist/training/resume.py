@@ -1,7 +1,7 @@
 """Saving a round and resuming from the last round every rank completed.
 
-A checkpoint of round k holds, per node, x, z, u, the Adam moments, the CPU RNG state, the
-sampler's position, the round history, the dev curve, the adaptive rho and the best round
+A checkpoint of round k holds, per node, x, z, u, the public copies of compressed consensus
+(``comm.*``), the Adam moments, the CPU RNG state, the sampler's position, the round history, the dev curve, the adaptive rho and the best round
 (files: :mod:`admm_dist.training.checkpoint`). Resuming restores exactly that, so a resumed
 run continues bit for bit as if it had not stopped.
 """
@@ -17,6 +17,8 @@ from admm_dist.training.checkpoint import CheckpointError
 from admm_dist.training.config import RESUMABLE, TrainConfig
 from admm_dist.training.report import TrainReport
 from admm_dist.training.state import BestRound, NodeState
+
+COMM_STATE = "comm."   # tensor-name prefix of the communicator's per-node state
 
 if TYPE_CHECKING:
     from admm_dist.engine.admm import ADMMEngine
@@ -40,6 +42,8 @@ def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: 
         st = state[node]
         opt_state = st.optimizer.state.get(param, {})
         tensors = {"x": engine.x[j], "z": engine.z[j], "u": engine.u[j], "rng_cpu": torch.get_rng_state()}
+        # compressed consensus: the node's public copies (admm_dist/engine/comm/compressed.py)
+        tensors.update({f"{COMM_STATE}{name}": t for name, t in comm.node_state(node).items()})
         for key in ("exp_avg", "exp_avg_sq"):
             if key in opt_state:
                 tensors[f"adam.{key}"] = opt_state[key]
@@ -113,6 +117,12 @@ def restore_round(cfg: TrainConfig, agreed: int, *, engine: "ADMMEngine", nodes:
         for name in ("x", "z", "u"):
             restored[f"{name}.{node}"] = tensors[name].to(device)
     where = f"{ckpt.round_dir(root, agreed)}"
+    for node, (tensors, _) in loaded.items():
+        public = {k[len(COMM_STATE):]: t.to(device) for k, t in tensors.items() if k.startswith(COMM_STATE)}
+        if engine.comm.compress != "none" and not public:
+            raise CheckpointError(f"checkpoint {where}/node-{node} lacks the public copies of compress="
+                                  f"{engine.comm.compress}: delete that round folder to resume from the one before")
+        engine.comm.load_node_state(node, public)
     try:
         engine.load_state_dict(restored)
     except (KeyError, ValueError, RuntimeError) as e:

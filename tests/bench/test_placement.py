@@ -67,6 +67,7 @@ def _overrides(assets, **kw):
     return [f"{k}={v}" for k, v in d.items()]
 
 
+@pytest.mark.slow
 def test_one_and_two_ranks_give_the_same_result(tiny_assets, tmp_path, capsys):
     """The tiny backbone on the CPU ring config, 4 nodes: W = 1 (one process, four nodes) and
     W = 2 (torchrun, blocks of 2) hash alike; the table and the JSON hold the figures."""

@@ -105,12 +105,16 @@ def test_own_choices_are_checked_from_the_metadata():
 
 def test_later_keys_have_one_source():
     assert train_config.LATER_KEYS is LATER_KEYS
-    assert all(LATER_KEYS[k] == v for k, v in train_config.FINGERPRINT_LATER.items())
+    later = {**LATER_KEYS, **train_config.TRAINING_LATER}
+    assert not set(LATER_KEYS) & set(train_config.TRAINING_LATER)
+    assert all(later[k] == v for k, v in train_config.FINGERPRINT_LATER.items())
+    assert TrainConfig(compress="int8").fingerprint() != TrainConfig().fingerprint()
     # the fingerprint: generation_backend only when not hf, prefix_samples always (leaving it
     # out at 1 would orphan every checkpoint written since); eta and grad_clip may change on resume
     for cfg in (TrainConfig(), TrainConfig(generation_backend="vllm")):
         d = {k: v for k, v in cfg.as_dict().items() if k not in train_config.NON_SEMANTIC
-             and k not in train_config.RESUMABLE and not (k == "generation_backend" and v == "hf")}
+             and k not in train_config.RESUMABLE and not (k == "generation_backend" and v == "hf")
+             and not (k == "compress" and v == "none")}
         assert "prefix_samples" in d
         assert cfg.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -13,6 +13,7 @@ from admm_dist.engine.launcher import launch_cpu
 
 N, P = 4, 1001          # P divisible by none of 2, 3, 4
 SPECS = [("coordinator", "ring", 1), ("ring", "ring", 1)] + [("gossip", t, 2) for t in TOPOLOGIES]
+SPECS += [("decentralized", t, 1) for t in TOPOLOGIES]
 
 
 def _vec(node):

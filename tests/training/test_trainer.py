@@ -60,6 +60,8 @@ ARMS = {
     "ring": dict(consensus="ring"),
     "coordinator": dict(consensus="coordinator"),
     "gossip": dict(consensus="gossip", topology="chain"),
+    "decentralized": dict(consensus="decentralized", topology="chain"),
+    "ring_int8": dict(consensus="ring", compress="int8"),
     "no_dual": dict(no_dual=True),
     "local_only": dict(local_only=True),
     "centralized": dict(pooled=True, consensus="coordinator"),
@@ -227,15 +229,17 @@ def test_four_nodes_on_any_number_of_ranks_equal_one_process(consensus, world, t
         assert all(torch.equal(a[k], b[k]) for k in ("x", "z", "u")), (consensus, world, i)
 
 
-@pytest.mark.parametrize("consensus", ["ring", "gossip"])
-def test_a_run_resumes_onto_another_world_size_bit_for_bit(consensus, tiny_assets, tmp_path):
-    """Checkpoints are per node: N = 4 nodes, 2 rounds on 4 ranks, then resume=auto on 2 ranks,
-    then on 3 (blocks 2, 1, 1), ends where one uninterrupted single-process run ends, bit for bit."""
+@pytest.mark.parametrize("consensus,compress", [("ring", "none"), ("gossip", "none"), ("decentralized", "int8")])
+def test_a_run_resumes_onto_another_world_size_bit_for_bit(consensus, compress, tiny_assets, tmp_path):
+    """Checkpoints are per node (the public copies of compressed consensus too): N = 4 nodes, 2
+    rounds on 4 ranks, then resume=auto on 2 ranks, then on 3 (blocks 2, 1, 1), ends where one
+    uninterrupted single-process run ends, bit for bit."""
     import dataclasses
 
     four = tiny_assets(4)
     four = {"backbone": four["backbone"], "dpo": four["fit"]}
-    kw = dict(n_agents=4, consensus=consensus, **(dict(topology="chain") if consensus == "gossip" else {}))
+    kw = dict(n_agents=4, consensus=consensus, compress=compress,
+              **(dict(topology="chain") if consensus != "ring" else {}))
     clean = _cfg(four, tmp_path / "clean", k_outer=4, **kw)
     train_local(clean)
     moved = _cfg(four, tmp_path / "moved", k_outer=2, **kw)

@@ -7,7 +7,10 @@ it one flat vector per node it owns and never sees ranks or process groups.
 ``consensus_`` replaces each v_i in place:
 
 - ``coordinator`` and ``ring``: by the exact mean (1/N) sum_j v_j;
-- ``gossip``: by ``tau`` steps of neighbour mixing v_i <- sum_j W_ij v_j.
+- ``gossip``: by ``tau`` steps of neighbour mixing v_i <- sum_j W_ij v_j (Metropolis W);
+- ``decentralized``: by one step of v_i <- (v_i + mean_{j in N_i} v_j) / 2, the neighbour
+  exchange of node-based decentralized ADMM (the engine feeds it x, not x + u; see
+  :mod:`admm_dist.engine.admm`).
 
 The arithmetic of a ring chunk and of a gossip step is defined once here
 (:func:`ring_accumulate`, :func:`gossip_combine`) and used by both the
@@ -17,16 +20,16 @@ bit for bit where the summation order is ours (ring, gossip).
 from __future__ import annotations
 
 import abc
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from admm_dist.core.errors import RunError, UserError
+from admm_dist.engine.comm import compressed
+from admm_dist.engine.comm.compress import check_compress
 from admm_dist.engine.comm.meter import TELEMETRY, ByteMeter, ring_bytes_per_rank
-from admm_dist.engine.comm.topology import TOPOLOGIES, metropolis_weights, neighbours
-
-MODES = ("coordinator", "ring", "gossip")
-
+from admm_dist.engine.comm.modes import DECENTRALIZED, MIXING, check_mode
+from admm_dist.engine.comm.topology import half_mean_weights, metropolis_weights, neighbours
 
 class CommError(RunError):
     """A communication step failed (a peer died, timed out, or disagreed)."""
@@ -49,13 +52,9 @@ def wait_all(works: Sequence, timeout, what: str, rank: int) -> None:
                         f"{timeout.total_seconds():.0f}s ({first_line(e)})") from e
 
 
-def check_mode(mode: str, topology: str, gossip_steps: int) -> None:
-    if mode not in MODES:
-        raise UserError(f"consensus={mode!r} is unknown: choose one of {', '.join(MODES)}")
-    if topology not in TOPOLOGIES:
-        raise UserError(f"topology={topology!r} is unknown: choose one of {', '.join(TOPOLOGIES)}")
-    if mode == "gossip" and gossip_steps < 1:
-        raise UserError(f"gossip_steps={gossip_steps}: gossip needs at least one mixing step (>= 1)")
+# A message between two nodes: (source node, destination node, payload (at the source's rank;
+# None elsewhere), its size in bytes)
+Message = Tuple[int, int, Optional[torch.Tensor], int]
 
 
 def ring_accumulate(own: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
@@ -77,8 +76,11 @@ class Communicator(abc.ABC):
 
     def __init__(self, *, mode: str, n_nodes: int, nodes: Sequence[int],
                  topology: str = "ring", gossip_steps: int = 1,
-                 meter: Optional[ByteMeter] = None) -> None:
+                 meter: Optional[ByteMeter] = None, compress: str = "none") -> None:
         check_mode(mode, topology, gossip_steps)
+        self.compress = check_compress(compress)
+        # per node: the public copies of compressed consensus (admm_dist.engine.comm.compressed)
+        self.compress_state: Dict[int, Dict[str, torch.Tensor]] = {}
         if n_nodes < 1:
             raise UserError(f"n_nodes={n_nodes}: a consensus problem needs at least one node")
         self.mode = mode
@@ -88,16 +90,47 @@ class Communicator(abc.ABC):
         self.gossip_steps = int(gossip_steps)
         self.meter = meter if meter is not None else ByteMeter()
         self.neighbours: List[List[int]] = neighbours(topology, self.n_nodes)
-        self.weights = metropolis_weights(self.neighbours)
+        self.weights = (half_mean_weights(self.neighbours) if mode == DECENTRALIZED
+                        else metropolis_weights(self.neighbours))
 
     @property
     def exact(self) -> bool:
         """True when consensus_ returns the exact mean (every z_i is one point z)."""
-        return self.mode != "gossip" or self.n_nodes == 1
+        return self.mode not in MIXING or self.n_nodes == 1
+
+    def penalty_scale(self, node: int) -> float:
+        """rho_i / rho for ``node``'s x-step: 1, but d_i / mean degree under ``decentralized``.
+
+        Node-based decentralized ADMM (Shi et al. 2014) has one constant c and gives node i the
+        proximal weight 2 c d_i; c = rho / (2 * mean degree) makes the mean weight rho, so a
+        setting of rho couples as strongly as in the other modes (exactly rho on every node of
+        a regular graph: ring, complete, expander for a power of two)."""
+        if self.mode != DECENTRALIZED or self.n_nodes == 1:
+            return 1.0
+        mean_degree = sum(len(n) for n in self.neighbours) / self.n_nodes
+        return self.degree(node) / mean_degree
 
     def rank_blocks(self) -> List[range]:
         """The nodes of each rank, in rank order (one rank per node unless overridden)."""
         return [range(i, i + 1) for i in range(self.n_nodes)]
+
+    def mine(self, node: int) -> bool:
+        """Whether ``node`` lives in this process."""
+        return node in self.nodes
+
+    def deliver(self, messages: Sequence[Message], what: str,
+                device: torch.device) -> Dict[Tuple[int, int], torch.Tensor]:
+        """Send each message whose source is here, receive each whose destination is here (uint8
+        payloads); returns what arrived at this process's nodes, keyed (source, destination).
+        The compressed modes exchange through this alone."""
+        raise NotImplementedError(f"{type(self).__name__} does not deliver node-to-node messages")
+
+    # -- per-node state of compressed consensus (checkpointed with the node) -----------------
+    def node_state(self, node: int) -> Dict[str, torch.Tensor]:
+        return dict(self.compress_state.get(node, {}))
+
+    def load_node_state(self, node: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.compress_state[node] = {k: t.detach().clone() for k, t in tensors.items()}
 
     def degree(self, node: int) -> int:
         return len(self.neighbours[node])
@@ -106,7 +139,9 @@ class Communicator(abc.ABC):
         """Bytes ``node`` sends in one consensus_ of ``numel`` items (ring convention for all_reduce)."""
         if self.n_nodes == 1:
             return 0
-        if self.mode == "gossip":
+        if self.compress != "none":
+            return compressed.bytes_sent(self, numel, node)
+        if self.mode in MIXING:
             return self.gossip_steps * self.degree(node) * numel * itemsize
         return ring_bytes_per_rank(numel, self.n_nodes, node, itemsize)
 

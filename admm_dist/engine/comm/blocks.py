@@ -25,8 +25,18 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from admm_dist.engine.comm.base import CommError, Communicator, first_line, gossip_combine, ring_accumulate, wait_all
+from admm_dist.engine.comm import compressed
+from admm_dist.engine.comm.base import (
+    CommError,
+    Communicator,
+    Message,
+    first_line,
+    gossip_combine,
+    ring_accumulate,
+    wait_all,
+)
 from admm_dist.engine.comm.meter import CONSENSUS, chunk_bounds
+from admm_dist.engine.comm.modes import MIXING
 from admm_dist.engine.comm.placement import blocks, owners
 
 IN_PROCESS = "in_process"   # the bytes a hop between two nodes of one rank copies in memory
@@ -37,7 +47,7 @@ class BlockCommunicator(Communicator):
 
     def __init__(self, *, mode: str, n_nodes: int, timeout: datetime.timedelta,
                  group: Optional[dist.ProcessGroup] = None, topology: str = "ring",
-                 gossip_steps: int = 1, meter=None) -> None:
+                 gossip_steps: int = 1, meter=None, compress: str = "none") -> None:
         if not dist.is_initialized():
             raise CommError("no process group: create one with admm_dist.engine.dist.distributed() first")
         self.group = group
@@ -46,7 +56,7 @@ class BlockCommunicator(Communicator):
         self.blocks = blocks(n_nodes, self.world)
         self.owner = owners(n_nodes, self.world)
         super().__init__(mode=mode, n_nodes=n_nodes, nodes=self.blocks[self.rank], topology=topology,
-                         gossip_steps=gossip_steps, meter=meter)
+                         gossip_steps=gossip_steps, meter=meter, compress=compress)
         self.timeout = timeout
         self.index: Dict[int, int] = {node: j for j, node in enumerate(self.nodes)}
 
@@ -98,12 +108,30 @@ class BlockCommunicator(Communicator):
             raise CommError(f"rank {self.rank}: posting the messages of {what} failed ({first_line(e)})") from e
         self._wait(works, what)
 
+    def deliver(self, messages: Sequence[Message], what: str,
+                device: torch.device) -> Dict[Tuple[int, int], torch.Tensor]:
+        got: Dict[Tuple[int, int], torch.Tensor] = {}
+        hops = []
+        for src, dst, payload, nbytes in messages:
+            if self.mine(src) and self.mine(dst):
+                self._copied(payload, src, dst)
+                got[(src, dst)] = payload
+            elif self.mine(dst):
+                got[(src, dst)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                hops.append((src, dst, None, got[(src, dst)]))
+            elif self.mine(src):
+                hops.append((src, dst, payload, None))
+        self._exchange(hops, what)
+        return got
+
     # -- consensus ---------------------------------------------------------------
     def consensus_(self, vectors: Sequence[torch.Tensor]) -> None:
         self._check_vectors(vectors)
         if self.n_nodes == 1:
             return
-        if self.mode == "gossip":
+        if self.compress != "none":
+            compressed.consensus_(self, vectors)
+        elif self.mode in MIXING:
             self._gossip(vectors)
         elif self.mode == "ring":
             self._ring(vectors)

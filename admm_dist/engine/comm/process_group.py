@@ -162,8 +162,10 @@ class RingCommunicator(ProcessGroupCommunicator):
 
 
 class GossipCommunicator(ProcessGroupCommunicator):
-    def __init__(self, **kw) -> None:
-        super().__init__(mode="gossip", **kw)
+    """Neighbour mixing: ``gossip`` (tau Metropolis steps) or ``decentralized`` (one step)."""
+
+    def __init__(self, *, mode: str = "gossip", **kw) -> None:
+        super().__init__(mode=mode, **kw)
         self._inbox: Optional[torch.Tensor] = None
 
     def consensus_(self, vectors: Sequence[torch.Tensor]) -> None:

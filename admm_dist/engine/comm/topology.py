@@ -13,7 +13,9 @@ Every graph is undirected, has no self-loops, and is connected for ``n >= 2``:
 - ``chain``: the path i ~ i + 1.
 
 Weights: W_ij = 1 / (1 + max(d_i, d_j)) on edges, W_ii = 1 - sum_j W_ij.
-W is symmetric and doubly stochastic, so gossip preserves the mean.
+W is symmetric and doubly stochastic, so gossip preserves the mean. Decentralized ADMM mixes
+with W_ii = 1/2, W_ij = 1 / (2 d_i) (:func:`half_mean_weights`): row-stochastic only; its
+exactness comes from the duals, not from the weights.
 """
 from __future__ import annotations
 
@@ -84,6 +86,16 @@ def metropolis_weights(nbrs: List[List[int]]) -> List[Dict[int, float]]:
     for i, ns in enumerate(nbrs):
         row = {j: 1.0 / (1.0 + max(deg[i], deg[j])) for j in ns}
         row[i] = 1.0 - sum(row.values())
+        rows.append(row)
+    return rows
+
+
+def half_mean_weights(nbrs: List[List[int]]) -> List[Dict[int, float]]:
+    """Row i: 1/2 for i itself, 1 / (2 d_i) for each neighbour j: z_i = (x_i + mean_j x_j) / 2."""
+    rows = []
+    for i, ns in enumerate(nbrs):
+        row = {j: 0.5 / len(ns) for j in ns}
+        row[i] = 0.5 if ns else 1.0
         rows.append(row)
     return rows
 
