@@ -15,7 +15,8 @@ What one run does, for every seed of ``--seeds``:
    single-process backend (all nodes in one process on one backbone: the numbers of one
    gloo rank per node, which ``tests/training/test_trainer.py`` checks for every arm):
    ADMM-ring (the config as it is), ADMM-gossip (``consensus=gossip``, deployed per seat),
-   ADMM-decentralized (``consensus=decentralized``, deployed per seat),
+   ADMM-decentralized (``consensus=decentralized``, deployed per seat), ADMM-ring-int8 and
+   ADMM-decentralized-int8 (``compress=int8``),
    Centralized (``pooled`` on one node), ADMM-Local (``local_only``, deployed per seat) and
    ADMM-NoDual (``no_dual``). ``key=value`` arguments override the config for every arm.
 3. **Evaluation** of each arm on the same held-out rows (the front ``--eval_n`` rows of the
