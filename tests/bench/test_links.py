@@ -51,3 +51,12 @@ def test_shaped_links_slow_fp32_and_int8_carries_a_quarter_of_the_bytes(tmp_path
         assert recs[("100mbit", mode, "int8")]["seconds"] < recs[("100mbit", mode, "none")]["seconds"]
         assert recs[("loopback", mode, "none")]["seconds"] < recs[("100mbit", mode, "none")]["seconds"]
     assert (tmp_path / "links.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_owner_scheme_quantizes_once_where_a_ring_piles_up_an_error_per_hop():
+    """Same bytes per node; the owner scheme's error does not grow with N, a ring that
+    re-quantizes its partial sums at every hop does."""
+    rows = {n: links.mean_schemes(n, 1 << 14, "int8") for n in (2, 8)}
+    assert rows[8]["ring_rel_error"] > 1.3 * rows[8]["owner_rel_error"]
+    assert rows[8]["owner_rel_error"] == pytest.approx(rows[2]["owner_rel_error"], rel=0.1)
+    assert rows[8]["ring_rel_error"] > 1.5 * rows[2]["ring_rel_error"]
