@@ -20,12 +20,12 @@ def test_torchrun_job_matches_the_single_process_job(tmp_path):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     out = tmp_path / "dist.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
-           "-m", "admm_dist.cli.lsq", "--consensus", "gossip", "--topology", "chain",
+           "-m", "admm_dist.cli.lsq", "--consensus", "decentralized", "--topology", "chain", "--compress", "int8",
            "--k_outer", "20", "--timeout_s", "30", "--json", str(out), "--quiet"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ref = tmp_path / "ref.json"
-    assert lsq.main(["--nodes", "3", "--consensus", "gossip", "--topology", "chain",
+    assert lsq.main(["--nodes", "3", "--consensus", "decentralized", "--topology", "chain", "--compress", "int8",
                      "--k_outer", "20", "--json", str(ref), "--quiet"]) == 0
     got, want = json.loads(out.read_text()), json.loads(ref.read_text())
     assert got["summary"]["rel_error_to_optimum"] == want["summary"]["rel_error_to_optimum"]
