@@ -24,6 +24,7 @@ def _env(**kw):
     return env
 
 
+@pytest.mark.slow
 def test_cpu_smoke_runs_every_step_and_reports_figures(tmp_path):
     out = tmp_path / "out dir"           # a space in the path, and a cwd outside the repository
     t0 = time.monotonic()

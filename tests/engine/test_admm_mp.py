@@ -94,6 +94,7 @@ def _decentralized_worker(ctx):
     return out
 
 
+@pytest.mark.slow
 def test_decentralized_admm_reaches_the_pooled_optimum_on_every_graph_on_six_ranks():
     """Node-based decentralized ADMM, one neighbour exchange per round, on 6 gloo ranks: every
     node ends within 1e-5 (relative) of the pooled least-squares optimum on ring, chain, grid

@@ -63,6 +63,7 @@ def _lsq(ctx):
     return out
 
 
+@pytest.mark.slow
 def test_compressed_admm_reaches_the_optimum_on_five_ranks_as_the_oracle_does():
     n = 5
     res = launch_cpu(_lsq, n, timeout_s=120)

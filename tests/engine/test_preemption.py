@@ -130,6 +130,7 @@ def test_sigusr2_during_set_up_stops_cleanly_and_the_job_dir_says_so(assets, tmp
     assert json.loads((job / "status.json").read_text())["state"] == "finished"
 
 
+@pytest.mark.slow
 def test_a_rank_stopped_during_start_up_is_one_line_on_the_others(assets, tmp_path):
     """SIGSTOP one worker as soon as it exists: the others give up within timeout_s with one
     line (or are ended by torchrun when another gave up first; no DistStoreError/gloo tracebacks
