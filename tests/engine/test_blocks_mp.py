@@ -1,4 +1,4 @@
-"""Several nodes per rank (N = 4 nodes on W = 1..4 gloo ranks): every mode computes the
+"""Several nodes per rank (N = 4 nodes on W = 1..4 gloo ranks, N = 6 on 4): every mode computes the
 single-process oracle's result, bit for bit for ring and gossip, and meters in-process hops
 apart from wire bytes."""
 import pytest
@@ -20,10 +20,10 @@ def _vec(node):
     return torch.randn(P, generator=torch.Generator().manual_seed(500 + node))
 
 
-def _run(ctx):
+def _run(ctx, n=N):
     out = {}
     for mode, topo, tau in SPECS:
-        comm = BlockCommunicator(mode=mode, n_nodes=N, topology=topo, gossip_steps=tau, timeout=ctx.timeout)
+        comm = BlockCommunicator(mode=mode, n_nodes=n, topology=topo, gossip_steps=tau, timeout=ctx.timeout)
         vs = [_vec(node) for node in comm.nodes]
         comm.consensus_(vs)
         meter = {node: (comm.meter.total(node=node, phase=CONSENSUS).sent,
@@ -41,24 +41,25 @@ def test_placement_is_contiguous_and_balanced():
         blocks(4, 5)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])   # W = 1 is the oracle itself (LocalCommunicator)
-def test_every_mode_is_the_oracles_on_any_number_of_ranks(world):
-    res = launch_cpu(_run, world, timeout_s=60)
+@pytest.mark.parametrize("n,world", [(N, 2), (N, 3), (N, 4), (6, 4)])   # W = 1 is the oracle itself
+def test_every_mode_is_the_oracles_on_any_number_of_ranks(n, world):
+    """N = 4 on 2, 3, 4 ranks, and N = 6 on 4 ranks (uneven blocks: 2, 2, 1, 1)."""
+    res = launch_cpu(_run, world, n, timeout_s=60)
     for spec in SPECS:
         mode, topo, tau = spec
-        oracle = LocalCommunicator(mode=mode, n_nodes=N, topology=topo, gossip_steps=tau)
-        want = [_vec(node) for node in range(N)]
+        oracle = LocalCommunicator(mode=mode, n_nodes=n, topology=topo, gossip_steps=tau)
+        want = [_vec(node) for node in range(n)]
         oracle.consensus_(want)
         got = {}
         for r in range(world):
             part = res[r][spec]
-            assert part["nodes"] == list(blocks(N, world)[r])
+            assert part["nodes"] == list(blocks(n, world)[r])
             got.update(zip(part["nodes"], part["vs"]))
-            assert part["rows"].tolist() == [[float(n), 2.0 * n] for n in range(N)]
+            assert part["rows"].tolist() == [[float(i), 2.0 * i] for i in range(n)]
             for node, (wire, copied) in part["meter"].items():
                 if mode != "coordinator":   # every byte the oracle's node sends: on the wire or copied
                     assert wire + copied == oracle.meter.total(node=node, phase=CONSENSUS).sent, (spec, node)
-        for node in range(N):
+        for node in range(n):
             if mode == "coordinator":
                 assert torch.allclose(got[node], want[node], rtol=0, atol=1e-6), spec
             else:
