@@ -314,28 +314,12 @@ def format_schemes(rows: Sequence[Dict[str, Any]]) -> str:
 
 
 def plot(result: Dict[str, Any], path: str, rate: str, mib: float) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from admm_dist.plots import figures   # matplotlib loads only when a figure is asked for
 
     s = result["settings"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode in s["modes"]:
-        for c, style in zip(s["compress"], ("-", "--", ":")):
-            pts = sorted((x["n"], x["seconds"]) for x in result["records"]
-                         if (x["rate"], x["mib"], x["mode"], x["compress"]) == (rate, mib, mode, c))
-            if pts:
-                ax.plot(*zip(*pts), style, marker="o", label=f"{mode} {c}")
-    ax.set_xlabel("N (ranks, one per namespace)")
-    ax.set_ylabel("seconds per z-step")
-    ax.set_title(f"{mib:g} MiB vectors at {rate} per link")
-    ax.set_xticks(list(s["nodes"]))
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    fig = figures.links(result["records"], rate=rate, mib=mib, nodes=s["nodes"], modes=s["modes"],
+                        payloads=s["compress"])
+    figures.save(fig, path, f"{mib:g} MiB vectors at {rate} per link", "python -m admm_dist.bench.links")
 
 
 def _list(text: str, kind, allowed: Optional[Sequence[str]] = None) -> list:

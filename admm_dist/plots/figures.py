@@ -340,3 +340,25 @@ def draw_all(inputs: Sequence[str], out_dir: str) -> list[str]:
         save(fig, path, str(fig.get_label()), source)
         written.append(path)
     return written
+
+
+# ---------------------------------------------------------------------------- benchmarks
+def links(records: Sequence[dict], *, rate: str, mib: float, nodes: Sequence[int], modes: Sequence[str],
+          payloads: Sequence[str]) -> Figure:
+    """``python -m admm_dist.bench.links``: seconds per z-step against N, one line per mode and
+    payload (solid fp32, dashed int8, dotted fp8), at one link rate and vector size."""
+    fig, (ax,) = new_figure(1, f"{mib:g} MiB vectors at {rate} per link")
+    dashes = {"none": "-", "int8": "--", "fp8": ":"}
+    colours = {m: f"C{i}" for i, m in enumerate(modes)}
+    for mode in modes:
+        for c in payloads:
+            pts = sorted((x["n"], x["seconds"]) for x in records
+                         if (x["rate"], x["mib"], x["mode"], x["compress"]) == (rate, mib, mode, c))
+            if pts:
+                ax.plot(*zip(*pts), dashes.get(c, "-"), color=colours[mode], marker="o", label=f"{mode} {c}")
+    ax.set_xlabel("N (ranks, one per namespace)")
+    ax.set_ylabel("seconds per z-step")
+    ax.set_xticks(list(nodes))
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
