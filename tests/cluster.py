@@ -20,6 +20,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +146,9 @@ class Cluster:
         self.conf = self.root / "slurm.conf"
         self.procs: Dict[str, subprocess.Popen] = {}
         self.jobs: List[str] = []
+        # slurmstepd's domain sockets live in the spool: a short folder of its own, as the
+        # root's path (pytest's, longer under xdist) can pass the 108-byte socket path limit
+        self.spool = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp"))
 
     # ------------------------------------------------------------ configuration
     def write_conf(self) -> None:
@@ -151,7 +156,7 @@ class Cluster:
         for d in ("state", "log"):
             (r / d).mkdir(parents=True, exist_ok=True)
         for n in self.nodes:
-            (r / "spool" / n.name).mkdir(parents=True, exist_ok=True)
+            (self.spool / n.name).mkdir(parents=True, exist_ok=True)
         (r / "plugstack.conf").write_text("")
         self.ctld_port, self.slurmd_port = free_port(), free_port()
         while self.slurmd_port == self.ctld_port:
@@ -187,9 +192,9 @@ class Cluster:
             "MessageTimeout=20",
             f"PlugStackConfig={r / 'plugstack.conf'}",
             f"StateSaveLocation={r / 'state'}",
-            f"SlurmdSpoolDir={r / 'spool' / '%n'}",
+            f"SlurmdSpoolDir={self.spool / '%n'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'spool' / '%n' / 'slurmd.pid'}",
+            f"SlurmdPidFile={self.spool / '%n' / 'slurmd.pid'}",
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
             f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
             "SlurmctldDebug=info",
@@ -266,6 +271,7 @@ class Cluster:
                 if p is not None and p.poll() is None:
                     stop_pid(p.pid)
             self._sweep()
+            shutil.rmtree(self.spool, ignore_errors=True)
 
     def _alive(self, key: str) -> bool:
         p = self.procs.get(key)
@@ -453,8 +459,16 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "launch" / "slurm.sbatch")
 
 
+_ASSETS: Dict[int, Dict[str, str]] = {}
+
+
 def tiny_assets(folder: Path, n_agents: int) -> Dict[str, str]:
-    """Tiny backbone + synthetic fit set (as tests/engine/test_preemption.py): seconds per round on CPU."""
+    """Tiny backbone + synthetic fit set (as tests/engine/test_preemption.py): seconds per round on
+    CPU. Built once per chain length in a test process (in ``folder`` the first time), so that
+    test modules share them and with them :func:`reference`'s runs."""
+    made = _ASSETS.get(n_agents)
+    if made and os.path.exists(made["fit"]):
+        return made
     from transformers import AutoTokenizer
 
     from admm_dist.testing.synthetic import write_fitset
@@ -465,7 +479,31 @@ def tiny_assets(folder: Path, n_agents: int) -> Dict[str, str]:
     settings = {"task": "synthetic", "n_agents": n_agents, "adapt_roles": "all"}
     fit = write_fitset(str(folder / "dpo.jsonl"), settings=settings, per_seat=16,
                        tokenizer=AutoTokenizer.from_pretrained(bb))
-    return {"backbone": bb, "fit": fit, "n": str(n_agents)}
+    _ASSETS[n_agents] = {"backbone": bb, "fit": fit, "n": str(n_agents)}
+    return _ASSETS[n_agents]
+
+
+# the elastic tests' run (tests/launch/test_elastic.py, test_multinode.py; N = 4, 2 hosts x 2
+# ranks): local_steps=30 gives rounds of about 0.5 s on 2 cores, so that a host lost after round
+# 4 and (test_elastic) brought back leave rounds to go; both compare with one reference
+ELASTIC_ARGS = dict(k_outer=24, local_steps=30, keep_checkpoints=3, quiet="false")
+
+_REFERENCES: Dict[tuple, Path] = {}
+
+
+def reference(assets: Dict[str, str], folder: Path, **kw) -> Path:
+    """The uninterrupted run of ``train_args(assets, folder, **kw)`` on this host, in one process
+    that holds every node (the numbers do not depend on the placement:
+    tests/training/test_trainer.py), run once per setting in a test process: the folder to
+    compare with :func:`assert_same_outputs`."""
+    key = tuple(a for a in train_args(assets, Path("."), **kw) if not a.startswith(("out=", "report_dir=")))
+    if key not in _REFERENCES or not (_REFERENCES[key] / "run-last.safetensors").exists():
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        p = subprocess.run([sys.executable, "-m", "admm_dist.train"] + train_args(assets, folder, **kw), env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+        assert p.returncode == 0, p.stdout[-3000:]
+        _REFERENCES[key] = Path(folder)
+    return _REFERENCES[key]
 
 
 def train_args(assets: Dict[str, str], out: Path, **kw) -> List[str]:

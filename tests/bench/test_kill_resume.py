@@ -1,5 +1,5 @@
 """The kill-inside-a-checkpoint-write benchmark: its draws, its comparison and its leftovers check
-(fast), and two real trials under torchrun, keep_checkpoints 1 and 3 (slow)."""
+(fast), and one real trial under torchrun (slow)."""
 import json
 
 import pytest
@@ -94,18 +94,19 @@ def test_the_killed_rank_is_read_from_torchruns_failure_summary_too(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_killed_runs_resume_bit_identical(tmp_path, capsys):
-    """keep_checkpoints 1 and 3, one rank of 4 SIGKILLed inside a checkpoint write each, then
-    resume=auto: both end bit for bit where the uninterrupted run ends (6 torchrun launches,
-    about 2 min on 2 cores; each launch bounded by --timeout)."""
+def test_a_killed_run_resumes_bit_identical(tmp_path, capsys):
+    """keep_checkpoints 1, one rank of 4 SIGKILLed inside a checkpoint write, then resume=auto:
+    it ends bit for bit where the uninterrupted run ends (3 torchrun launches, under a minute
+    on 2 cores; each launch bounded by --timeout). A kill with keep_checkpoints 3: the elastic
+    tests (tests/launch/test_elastic.py, test_multinode.py) lose a host mid-run with it."""
     summary = tmp_path / "summary.json"
-    rc = kr.main(["--runs", "2", "--out", str(tmp_path / "kr"), "--json", str(summary), "--timeout", "300"])
+    rc = kr.main(["--runs", "1", "--out", str(tmp_path / "kr"), "--json", str(summary), "--timeout", "300"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "2/2 bit-identical" in out
+    assert "1/1 bit-identical" in out
     r = json.loads(summary.read_text())
-    assert [t["keep"] for t in r["trials"]] == [1, 3]
+    assert [t["keep"] for t in r["trials"]] == [1]
     for t in r["trials"]:
         assert t["fault_rc"] != 0 and t["killed_ranks"] == [t["node"]] and t["resume_rc"] == 0, t
         assert t["identical"] and t["leftovers"] == [] and t["rounds_as_reference"], t
-    assert r["summary"]["ok"] == 2
+    assert r["summary"]["ok"] == 1

@@ -213,7 +213,7 @@ def test_a_rank_interrupted_alone_exits_130_and_its_peer_says_one_line(assets, t
     assert rc != 0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_plain_python_stop_is_one_line_with_128_plus_signal_and_resume_auto_continues(
         assets, tmp_path, sig, capfd, monkeypatch):
     job = tmp_path / "job"

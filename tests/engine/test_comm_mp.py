@@ -10,6 +10,8 @@ from admm_dist.engine.comm import TOPOLOGIES, CommError, LocalCommunicator, make
 from admm_dist.engine.comm.wire import interface_tx_bytes
 from admm_dist.engine.launcher import launch_cpu
 
+from wire import wire_bytes
+
 P_ODD = 1001  # not divisible by 2, 3 or 4
 
 
@@ -103,30 +105,14 @@ def test_gossip_drives_every_topology_to_consensus_faster_with_larger_tau():
 
 
 def _wire(ctx, p):
-    """Bytes on the loopback wire for one op, read on rank 0 between barriers."""
+    """Bytes on the loopback wire for one op (tests/wire.py) and the analytic bytes."""
     out = {}
     for mode, topo in (("ring", "ring"), ("gossip", "ring"), ("gossip", "expander"),
                        ("coordinator", "ring")):
         comm = make_communicator(mode, n_nodes=ctx.world_size, topology=topo,
                                  timeout=ctx.timeout)
-        v = _vec(ctx.rank, p)
-        comm.consensus_([v])  # warm-up: connections are set up lazily
-        # Spurious loopback TCP retransmissions (two ranks sharing a core) only ever add
-        # bytes: take the smallest of a few brackets, with and without the operation.
-        deltas = {False: [], True: []}
-        for _ in range(3):
-            for with_op in (False, True):
-                comm.barrier()
-                before = interface_tx_bytes("lo") if ctx.rank == 0 else 0
-                comm.barrier()
-                if with_op:
-                    comm.consensus_([v])
-                comm.barrier()
-                after = interface_tx_bytes("lo") if ctx.rank == 0 else 0
-                comm.barrier()
-                deltas[with_op].append(after - before)
         analytic = sum(comm.analytic_bytes(p, r) for r in range(ctx.world_size))
-        out[(mode, topo)] = (min(deltas[True]) - min(deltas[False]), analytic)
+        out[(mode, topo)] = (wire_bytes(ctx, comm, [_vec(ctx.rank, p)]), analytic)
     return out
 
 

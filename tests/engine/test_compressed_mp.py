@@ -11,6 +11,8 @@ from admm_dist.engine.comm.wire import interface_tx_bytes
 from admm_dist.engine.launcher import launch_cpu
 from admm_dist.engine.lsq import LeastSquares
 
+from wire import wire_bytes
+
 N, P, CALLS = 4, 1001, 3
 SPECS = [("ring", "ring", 1, "int8"), ("coordinator", "ring", 1, "fp8"), ("gossip", "ring", 2, "int8"),
          ("decentralized", "chain", 1, "int8"), ("decentralized", "complete", 1, "fp8")]
@@ -86,29 +88,17 @@ WIRE = [(mode, "ring", compress) for mode in ("ring", "coordinator", "decentrali
 
 
 def _wire(ctx, p):
-    """Bytes on the loopback wire for one consensus_, read on rank 0 between barriers (the
-    smallest of three brackets with and without it: retransmissions only ever add bytes)."""
+    """Bytes on the loopback wire for one consensus_ (tests/wire.py), the analytic bytes and the
+    meter's count."""
     out = {}
     for mode, topo, compress in WIRE:
         comm = make_communicator(mode, n_nodes=ctx.world_size, topology=topo, timeout=ctx.timeout,
                                  compress=compress)
         v = torch.randn(p, generator=torch.Generator().manual_seed(ctx.rank))
-        comm.consensus_([v])  # warm-up: connections are set up lazily
-        deltas = {False: [], True: []}
-        for _ in range(3):
-            for with_op in (False, True):
-                comm.barrier()
-                before = interface_tx_bytes("lo") if ctx.rank == 0 else 0
-                comm.barrier()
-                if with_op:
-                    comm.consensus_([v])
-                comm.barrier()
-                after = interface_tx_bytes("lo") if ctx.rank == 0 else 0
-                comm.barrier()
-                deltas[with_op].append(after - before)
+        on_wire = wire_bytes(ctx, comm, [v])
         metered = comm.meter.total(node=ctx.rank, round=None).sent
-        out[(mode, topo, compress)] = (min(deltas[True]) - min(deltas[False]),
-                                       sum(comm.analytic_bytes(p, r) for r in range(ctx.world_size)), metered)
+        out[(mode, topo, compress)] = (on_wire, sum(comm.analytic_bytes(p, r) for r in range(ctx.world_size)),
+                                       metered)
     return out
 
 

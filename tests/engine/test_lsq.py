@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from admm_dist.cli import lsq
 
 
@@ -32,10 +34,20 @@ def test_torchrun_job_matches_the_single_process_job(tmp_path):
     assert [r["bytes_sent"] for r in got["rounds"]] == [r["bytes_sent"] for r in want["rounds"]]
 
 
-def test_nodes_must_match_the_world_size(tmp_path):
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "admm_dist.cli.lsq", "--nodes", "3", "--timeout_s", "20"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "--nodes 3 != world size 2" in proc.stderr + proc.stdout
+def _lsq_rank(argv):
+    """One rank of ``torchrun -m admm_dist.cli.lsq ARGV`` under launch_cpu (no interpreter start-up)."""
+    rc = lsq.main(argv)
+    if rc:
+        sys.exit(rc)
+
+
+def test_nodes_must_match_the_world_size(monkeypatch, capfd):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from admm_dist.engine.launcher import launch_cpu
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with pytest.raises(ChildFailedError):
+        launch_cpu(_lsq_rank, 2, ["--nodes", "3", "--timeout_s", "20"], timeout_s=60, setup=False)
+    out, err = capfd.readouterr()
+    assert "--nodes 3 != world size 2" in out + err

@@ -15,6 +15,7 @@ from admm_dist.engine.launcher import launch_cpu
 from conftest import cli_rank
 
 N = 3
+K = 12      # rounds: the stop arrives after round 1 and is taken at the end of a round
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def assets(tiny_assets):
 
 def _args(assets, out, **kw):
     d = dict(model_name=assets["backbone"], fitset_cache=assets["fit"], task="synthetic", n_agents=N,
-             device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2, k_outer=40, local_steps=2,
+             device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2, k_outer=K, local_steps=2,
              batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0, checkpoint_every=100, timeout_s=60,
              out=str(out / "run"), report_dir=str(out / "rep"))
     d.update(kw)
@@ -66,8 +67,9 @@ def _preempt(args, nproc, deadline=240):
 @pytest.mark.parametrize("nproc", [1, pytest.param(N, marks=pytest.mark.slow)])   # N ranks: ~75 s, slow
 def test_sigusr2_checkpoints_every_rank_and_resume_finishes_the_same(assets, tmp_path, nproc):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    # the run that is never stopped goes on beside the one that is
-    clean = subprocess.Popen(_cmd(_args(assets, tmp_path / "clean"), nproc), env=env, stdout=subprocess.DEVNULL,
+    # the run that is never stopped goes on beside the one that is, in one process (the numbers
+    # do not depend on the placement: tests/training/test_trainer.py)
+    clean = subprocess.Popen(_cmd(_args(assets, tmp_path / "clean"), 1), env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     try:
         rc, out = _preempt(_args(assets, tmp_path / "cut"), nproc)
@@ -81,7 +83,7 @@ def test_sigusr2_checkpoints_every_rank_and_resume_finishes_the_same(assets, tmp
     stopped = [line for line in out.splitlines() if "preempted after round" in line]
     assert len(stopped) == 1, out[-2000:]
     k = int(stopped[0].split("preempted after round ")[1].split(":")[0])
-    assert 1 <= k < 40
+    assert 1 <= k < K
     rounds = sorted(os.listdir(tmp_path / "cut" / "run.ckpt"))
     assert rounds[-1] == f"round-{k:06d}", rounds
     assert not os.path.exists(tmp_path / "cut" / "run-last.safetensors")
@@ -158,11 +160,12 @@ def test_a_rank_stopped_during_start_up_is_one_line_on_the_others(assets, tmp_pa
             except (OSError, ValueError):
                 time.sleep(0.01)
         os.kill(stopped, signal.SIGSTOP)
-        lines, errors = [], 0
+        lines = []
         for line in p.stdout:           # bounded: every other rank fails within timeout_s
             lines.append(line)
-            errors += "admm_dist.train: error on rank" in line
-            if errors == N - 1 or time.time() > deadline:
+            # the first rank to give up ends the job: let the stopped one go now, or torchrun
+            # waits its 30 s for a stopped worker to take the SIGTERM it sends
+            if "admm_dist.train: error on rank" in line or time.time() > deadline:
                 break
         try:   # torchrun's SIGTERM, pending while stopped, now ends it (unless it was killed already)
             os.kill(stopped, signal.SIGCONT)

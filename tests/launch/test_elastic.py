@@ -28,11 +28,22 @@ from typing import List, Optional, Tuple
 
 import pytest
 
-from cluster import REPO, NetnsPair, assert_same_outputs, free_port, netns_missing, tiny_assets, train_args, wait_for
-from procs import subreaper
+from cluster import (
+    ELASTIC_ARGS,
+    REPO,
+    NetnsPair,
+    assert_same_outputs,
+    free_port,
+    netns_missing,
+    reference,
+    tiny_assets,
+    train_args,
+    wait_for,
+)
+from procs import kill_at_once, subreaper
 
 N = 4          # nodes (seats); 2 hosts x 2 ranks
-K = 24         # rounds: enough left (at ~0.5 s each on 2 cores) for host 1 to come back
+K = ELASTIC_ARGS["k_outer"]   # rounds: enough left (at ~0.5 s each on 2 cores) for host 1 to come back
 KILL_AT = 4    # host 1 dies once round KILL_AT is logged
 BACK_AFTER = 2  # ... and comes back once the survivors have completed this many rounds
 RDZV_ID = "elastic-test"
@@ -65,10 +76,7 @@ def net():
 
 
 def run_args(assets, out: Path, **kw) -> List[str]:
-    # local_steps=30: rounds of about 0.5 s on 2 cores, so the kill and the return land mid-run
-    d = dict(k_outer=K, local_steps=30, checkpoint_every=1, keep_checkpoints=3, quiet="false", resume="auto")
-    d.update(kw)
-    return train_args(assets, out, **d)
+    return train_args(assets, out, **{**ELASTIC_ARGS, **kw})
 
 
 class Host:
@@ -127,12 +135,7 @@ class Host:
         """SIGKILL the agent and every worker it started, at once: stopped first, so the agent
         cannot react to its workers' deaths in between."""
         pids = self.tree()
-        for sig in (signal.SIGSTOP, signal.SIGKILL):
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+        kill_at_once(pids)
         self.proc.wait(timeout=30)
         self.reader.join(timeout=30)
         return pids
@@ -184,17 +187,9 @@ def test_elastic_job_loses_a_host_goes_on_and_takes_it_back_bit_for_bit(net, ass
 
     with subreaper() as left:    # workers orphaned by a killed agent come to this process
         try:
-            # the reference: 2 ranks on this host (loopback), uninterrupted, same config (the
-            # result does not depend on the placement). --max-restarts 1: about one run in 20, a
-            # rank aborts after "done" as the interpreter exits (a gloo worker thread releases a
-            # tensor then: "terminate called without an active exception"); the restart resumes
-            # at round K and writes the same files
-            renv = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-            ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  "--nproc_per_node", "2", "--max-restarts", "1", "-m", "admm_dist.train"]
-                                 + run_args(assets, tmp_path / "ref"), env=renv, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, timeout=300)
-            assert ref.returncode == 0, ref.stdout[-3000:]
+            # the reference: this host, uninterrupted, same config (once per test session: the
+            # SLURM elastic test of test_multinode.py runs the same one)
+            ref = reference(assets, tmp_path / "ref", **ELASTIC_ARGS)
             t_ref = time.monotonic()
 
             h0, h1 = host(0, 0), host(1, 0)
@@ -247,7 +242,7 @@ def test_elastic_job_loses_a_host_goes_on_and_takes_it_back_bit_for_bit(net, ass
     both = h1b.rounds(since=back[0])    # rank 0 is on host 1 again
     assert both and both[-1][1] == K and not h0.rounds(since=back[0]), logs
     rejoin = both[0][0] - t_back
-    assert_same_outputs(tmp_path / "cut", tmp_path / "ref", range(N))
+    assert_same_outputs(tmp_path / "cut", ref, range(N))
     print(f"elastic test: {t_end - t0:.1f} s (reference {t_ref - t0:.1f} s); killed host 1 after round {KILL_AT}: "
           f"the survivors completed round {survived[0][1]} {stall:.1f} s later; host 1 restarted after round "
           f"{survived[BACK_AFTER - 1][1]}: first round with both hosts (round {both[0][1]}) {rejoin:.1f} s later")

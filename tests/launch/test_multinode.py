@@ -1,23 +1,21 @@
 """Two SLURM nodes on one host: each slurmd in its own network + UTS + mount namespace, joined
 by a veth pair (tests/cluster.py). launch/slurm.sbatch runs 2 nodes x 2 ranks = 4 seats over
 the veth (gloo), is preempted by USR2 (forwarded on both nodes), requeued, resumes, and ends
-bit-identical to a 4-rank run on one host. Its elastic form (``MIN_NODES=1 MAX_RESTARTS=3``,
+bit-identical to an uninterrupted run on one host. Its elastic form (``MIN_NODES=1 MAX_RESTARTS=3``,
 ``sbatch --no-kill``) loses node b (its torchrun agent and workers SIGKILLed by PID mid-run): node a
 goes on alone with all four seats and the job completes, again bit-identical.
 
 Slow (``python3 -m pytest -m slow tests/launch/test_multinode.py``); needs root, slurm-wlm, iproute2
 and util-linux (ip, nsenter, unshare), and permission to create network namespaces.
 """
-import os
 import re
-import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
 from cluster import (
+    ELASTIC_ARGS,
     REPO,
     SCRIPT,
     Cluster,
@@ -29,11 +27,13 @@ from cluster import (
     missing,
     netns_missing,
     pids_of,
+    reference,
     submit_dir,
     tiny_assets,
     train_args,
     wait_for,
 )
+from procs import kill_at_once
 
 N = 4        # seats: 2 nodes x 2 ranks
 K = 20
@@ -66,7 +66,7 @@ def two_nodes(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_two_nodes_preempted_requeued_match_four_ranks_on_one_host(two_nodes, assets, tmp_path):
+def test_two_nodes_preempted_requeued_match_an_uninterrupted_run(two_nodes, assets, tmp_path):
     t0 = time.monotonic()
     cluster, net, names = two_nodes
     sub = submit_dir(tmp_path)
@@ -74,32 +74,21 @@ def test_two_nodes_preempted_requeued_match_four_ranks_on_one_host(two_nodes, as
                PYTHONPATH=str(REPO))
     job = cluster.sbatch(SCRIPT, ["admm_dist.train"] + train_args(assets, sub / "cut", k_outer=K),
                          options=["--nodes=2"], cwd=str(sub), env=env)
-    # the reference: 4 ranks on this host (loopback), uninterrupted, same config
-    renv = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    ref = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(N),
-                            "-m", "admm_dist.train"] + train_args(assets, sub / "ref", k_outer=K),
-                           env=renv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
     try:
-        try:
-            wait_for(lambda: has_checkpoint(sub / "cut") or cluster.state(job) not in ("PENDING", "RUNNING", ""),
-                     300, "the first checkpoint of the two-node job")
-        except TimeoutError:
-            pytest.fail(f"no checkpoint: {cluster.job(job)}\n{log_of(sub, job)[-3000:]}")
-        assert has_checkpoint(sub / "cut"), log_of(sub, job)[-3000:]
-        pids = [p.name for p in pids_of(sub, job)]
-        assert sorted(p.split("-rank")[0] for p in pids) == [names[0]] * 2 + [names[1]] * 2, pids
-        t_usr2 = time.monotonic()
-        cluster.signal_batch(job)
-        info = cluster.wait_done(job, 400)
-        t_done = time.monotonic()
-        out, _ = ref.communicate(timeout=300)
-    finally:
-        if ref.poll() is None:
-            os.killpg(ref.pid, signal.SIGKILL)   # its own session: the reference torchrun and its workers
-            ref.wait(timeout=30)
+        wait_for(lambda: has_checkpoint(sub / "cut") or cluster.state(job) not in ("PENDING", "RUNNING", ""),
+                 300, "the first checkpoint of the two-node job")
+    except TimeoutError:
+        pytest.fail(f"no checkpoint: {cluster.job(job)}\n{log_of(sub, job)[-3000:]}")
+    assert has_checkpoint(sub / "cut"), log_of(sub, job)[-3000:]
+    pids = [p.name for p in pids_of(sub, job)]
+    assert sorted(p.split("-rank")[0] for p in pids) == [names[0]] * 2 + [names[1]] * 2, pids
+    t_usr2 = time.monotonic()
+    cluster.signal_batch(job)
+    info = cluster.wait_done(job, 400)
+    t_done = time.monotonic()
+    # the reference: this host, uninterrupted, same config
+    ref = reference(assets, sub / "ref", k_outer=K)
     log = log_of(sub, job)
-    assert ref.returncode == 0, out[-3000:]
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", (info, log[-3000:])
     # every worker on both nodes was asked, by each node's pid files: each node reads all of
     # its own before it signals any, and both signal on one go from the batch shell (the ranks
@@ -109,7 +98,7 @@ def test_two_nodes_preempted_requeued_match_four_ranks_on_one_host(two_nodes, as
     assert log.count(f"on {names[0]},{names[1]}: 2 node(s) x 2 rank(s) = 4 rank(s); rendezvous {net.addr[0]}:") == 2
     assert "preempted after round" in log and "requeueing job" in log and "continuing after round" in log
     assert "Traceback" not in log
-    assert_same_outputs(sub / "cut", sub / "ref", range(N))
+    assert_same_outputs(sub / "cut", ref, range(N))
     print(f"two-node test: {time.monotonic() - t0:.1f} s: USR2 at {t_usr2 - t0:.1f} s, done at {t_done - t0:.1f} s")
 
 
@@ -123,17 +112,14 @@ def test_elastic_job_goes_on_on_one_node_when_the_other_is_lost(two_nodes, asset
     t0 = time.monotonic()
     cluster, net, names = two_nodes
     sub = submit_dir(tmp_path)
-    k = 24
+    k = ELASTIC_ARGS["k_outer"]
     conf = "join_timeout=120,last_call_timeout=3,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
     env = dict(NPROC_PER_NODE="2", VENV=sys.prefix, GLOO_SOCKET_IFNAME=net.ifname[0], OMP_NUM_THREADS="1",
                PYTHONPATH=str(REPO), MIN_NODES="1", MAX_RESTARTS="3", RDZV_CONF=conf, PYTHONUNBUFFERED="1")
-    extra = dict(k_outer=k, local_steps=30, keep_checkpoints=3, quiet="false")
-    # the reference first: 2 ranks on this host, uninterrupted (the job's rounds must not race it)
-    renv = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "--max-restarts", "1", "-m", "admm_dist.train"] + train_args(assets, sub / "ref", **extra),
-                         env=renv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert ref.returncode == 0, ref.stdout[-3000:]
+    extra = ELASTIC_ARGS
+    # the reference first, on this host uninterrupted (the job's rounds must not race it; once
+    # per test session: tests/launch/test_elastic.py compares with the same one)
+    ref = reference(assets, sub / "ref", **extra)
     job = cluster.sbatch(SCRIPT, ["admm_dist.train"] + train_args(assets, sub / "cut", **extra),
                          options=["--nodes=2", "--no-kill"], cwd=str(sub), env=env)
 
@@ -152,12 +138,7 @@ def test_elastic_job_goes_on_on_one_node_when_the_other_is_lost(two_nodes, asset
     victims = sorted(agent) + b_workers      # node b's torchrun agent (the srun task) and its workers
     at = len(log_of(sub, job))
     t_kill = time.monotonic()
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for pid in victims:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+    kill_at_once(victims)
 
     def resumed_round():   # node a's restarted workers resumed, then completed a round
         after = log_of(sub, job)[at:].split("resume auto: continuing after round", 1)
@@ -175,6 +156,6 @@ def test_elastic_job_goes_on_on_one_node_when_the_other_is_lost(two_nodes, asset
     assert "elastic: torchrun --nnodes 1:2 --max-restarts 3" in log, log[-3000:]
     assert "is that of a node lost on the way: exiting 0" in log, log[-3000:]   # node b's task: SIGKILL
     assert re.search(rf"^round +{k}/{k} ", log, re.M), log[-3000:]
-    assert_same_outputs(sub / "cut", sub / "ref", range(N))
+    assert_same_outputs(sub / "cut", ref, range(N))
     print(f"elastic SLURM test: {time.monotonic() - t0:.1f} s; node b lost after round 4: a round on node a "
           f"{t_first - t_kill:.1f} s later; the job's last line: {log.strip().splitlines()[-1]}")

@@ -76,12 +76,12 @@ def test_normal_code_still_works():
 
 @needs_bwrap
 def test_memory_and_time_limits_still_hold():
-    t = time.monotonic()
-    bomb = run("x = bytearray(10**10)\n", memory_mb=256)
+    bomb = run("x = bytearray(10**10)\n", memory_mb=256, timeout_s=60.0)
     assert not bomb.ok and not bomb.timed_out and "MemoryError" in bomb.stderr_tail
+    t = time.monotonic()
     loop = run("while True:\n    pass\n", timeout_s=1.5)
     assert loop.timed_out and not loop.ok and loop.returncode < 0
-    assert time.monotonic() - t < 6.0
+    assert time.monotonic() - t < 30.0      # ended at its timeout (loose: CI machines are loaded)
 
 
 # --------------------------------------------------------------------------- hostile code
@@ -244,7 +244,7 @@ def test_a_setsid_child_does_not_outlive_the_run(tmp_path):
     with subreaper() as left:
         t = time.monotonic()
         r = run(code)
-        assert r.ok and time.monotonic() - t < 5.0  # it did not wait for the child
+        assert r.ok and time.monotonic() - t < 30.0  # it did not wait for the child (which sleeps 60 s)
         deadline = time.monotonic() + 2.5  # past the moment the child would write
         while time.monotonic() < deadline:
             assert not left() and not any(os.path.exists(p) for p in late)
@@ -287,7 +287,7 @@ def test_a_fork_bomb_is_limited_and_ends_with_its_timeout():
             stop.set()
             watcher.join(5)
         took = time.monotonic() - t
-        assert r.timed_out and r.returncode < 0 and took < 4.0 + 3.0, took  # ended at its timeout
+        assert r.timed_out and r.returncode < 0 and took < 4.0 + 20.0, took  # ended at its timeout, not the child's 60 s
         counts = [int(line) for line in r.stdout_tail.split("\n") if line.isdigit()]
         refused = "fork refused: Resource temporarily unavailable" in r.stdout_tail
         assert counts and counts[-1] < sandbox.NPROC, r.stdout_tail  # never more than the limit

@@ -50,7 +50,7 @@ def test_recollection_takes_fresh_queries_and_the_cache_is_keyed(tmp_path):
         train_local(_cfg(tmp_path / "other", fitset_cache=str(cache), group=5))
 
 
-@pytest.mark.parametrize("world", [4, 2])    # 2: two nodes per rank, one collection share per rank
+@pytest.mark.parametrize("world", [4, pytest.param(2, marks=pytest.mark.slow)])  # 2: two nodes per rank
 def test_gloo_ranks_collect_and_train_like_one_process(tmp_path, world):
     local = _cfg(tmp_path / "local")
     dist = _cfg(tmp_path / "dist")
