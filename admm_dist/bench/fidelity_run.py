@@ -43,6 +43,7 @@ ARMS = (
 ARM_NAMES = tuple(a.name for a in ARMS)
 BASE = "base"
 REFERENCE = "ADMM-ring"
+COLLECTION_KEYS = ("kept_queries", "examples", "mean_pass_rate", "mixed_group_rate")
 
 
 class BenchError(UserError):
@@ -131,8 +132,20 @@ def train_arm(cfg) -> Dict[str, object]:
             "f": [r["f"] for r in rounds], "primal_normalized": [r["primal_normalized"] for r in rounds],
             "primal": [r["primal"] for r in rounds], "dual": [r["dual"] for r in rounds],
             "delta_w_rel": report.get("delta_w_rel"), "node_sizes": report.get("node_sizes"),
-            "collection": {k: report.get("collection", {}).get(k) for k in
-                           ("kept_queries", "examples", "mean_pass_rate", "mixed_group_rate")}}
+            "collection": {k: report.get("collection", {}).get(k) for k in COLLECTION_KEYS},
+            # every collection of this arm: the first is the seed's shared one (collected by
+            # whichever job got there first, read from fitset_cache by the others), later ones
+            # (recollect_every) ran under the arm's own adapter
+            "collections": [{k: c.get(k) for k in COLLECTION_KEYS} for c in
+                            [_first_collection(cfg)] + [c for c in report.get("collections") or []
+                                                        if c.get("collection", 0) > 0]]}
+
+
+def _first_collection(cfg) -> Dict[str, object]:
+    """The stats of the seed's shared first collection (its fitset_cache file)."""
+    from admm_dist.data.fitset import load_fitset
+
+    return load_fitset(cfg.fitset_cache).stats if cfg.fitset_cache and os.path.isfile(cfg.fitset_cache) else {}
 
 
 def deployed_vectors(cfg, arm: Arm) -> Dict[int, "object"]:

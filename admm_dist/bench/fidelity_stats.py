@@ -96,6 +96,9 @@ def summarize(args, base: dict, seeds: List[dict]) -> Dict[str, object]:
             "node_sizes": [p.get("node_sizes") for p in per],
             "distance_to_centralized": [p.get("distance_to_centralized") for p in per],
             "f": [p.get("f") for p in per], "primal_normalized": [p.get("primal_normalized") for p in per],
+            # per seed, each collection's mean pass rate (the chain's training-query accuracy
+            # under the adapter it was collected with)
+            "pass_rates": [[c.get("mean_pass_rate") for c in p.get("collections") or []] for p in per],
         }
     out["collection"] = [next((a.get("collection") for a in s["arms"].values() if a.get("collection")), None)
                          for s in seeds]
@@ -128,4 +131,24 @@ def format_table(summary: Dict[str, object], args) -> str:
                     lo, hi = r["minus_ref_ci95"]
                     row += f"{r['minus_ref']:+9.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>18}"
             lines.append(row)
+    lines += _pass_rate_lines(summary, args)
     return "\n".join(lines)
+
+
+def _pass_rate_lines(summary: Dict[str, object], args) -> List[str]:
+    """Each arm's collections' pass rates (mean over seeds), when some arm collected again."""
+    arms = summary.get("arms", {})
+    rates = {name: arms[name].get("pass_rates") or [] for name in args.arm_list if name in arms}
+    most = max((len(r) for per in rates.values() for r in per if r), default=0)
+    if most < 2:
+        return []
+    lines = ["\ncollections' pass rates on their training queries (mean over seeds; collection 0 is "
+             "shared, later ones ran under the arm's own adapter)",
+             f"{'arm':<13}" + "".join(f"{'c' + str(c):>8}" for c in range(most))]
+    for name, per in rates.items():
+        cells = []
+        for c in range(most):
+            got = [r[c] for r in per if len(r) > c and r[c] is not None]
+            cells.append(f"{sum(got) / len(got):8.3f}" if got else f"{'-':>8}")
+        lines.append(f"{name:<13}" + "".join(cells))
+    return lines

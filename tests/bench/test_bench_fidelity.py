@@ -14,7 +14,8 @@ from admm_dist.bench.fidelity_stats import crossed_bootstrap, format_table
 TINY = ["anchors=12", "group=4", "k_outer=2", "local_steps=2", "gen_chunk=6", "max_new_tokens=12"]
 # one arm of each kind (every arm trains through the same code, and tests/training checks each
 # one's numbers against the single-process run): the reference, one deployed per seat with
-# compressed exchange, the pooled one; and an ablation that the override below makes invalid
+# compressed exchange, the pooled one; and an ablation that the override below makes invalid.
+# recollect_every=1 with k_outer=2: a second collection, each arm's own, after round 1
 RUN = ("ADMM-ring", "ADMM-decentralized-int8", "Centralized")
 REFUSED = "ADMM-NoDual"
 
@@ -26,7 +27,7 @@ def bench(tmp_path_factory):
     png = tmp / "b.png"
     argv = ["--seeds", "3", "--eval_n", "12", "--samples", "2", "--boot", "200", "--jobs", "2",
             "--arms", ",".join((*RUN, REFUSED)), "--workdir", str(tmp / "work"), "--json", str(out),
-            "--png", str(png), *TINY, "rho_adapt=true"]
+            "--png", str(png), *TINY, "rho_adapt=true", "recollect_every=1"]
     rc = fidelity.main(argv)
     return rc, json.loads(out.read_text()) if out.exists() else None, png, tmp, argv
 
@@ -53,6 +54,10 @@ def test_every_arm_asked_for_runs_and_writes_json_and_png(bench, capsys):
     for name in RUN:
         arm = summary["arms"][name]
         assert len(arm["f"][0]) == 2 and len(arm["primal_normalized"][0]) == 2   # k_outer rounds
+        # two collections: the seed's shared first one, then the arm's own
+        assert len(arm["pass_rates"][0]) == 2 and all(0 <= r <= 1 for r in arm["pass_rates"][0])
+    first = {summary["arms"][name]["pass_rates"][0][0] for name in RUN}
+    assert len(first) == 1                       # every arm started from the same collection
     # Centralized is at distance 0 from itself; per-seat arms have one distance per seat
     assert summary["arms"]["Centralized"]["distance_to_centralized"][0] == [0.0] * 4
 
@@ -66,6 +71,8 @@ def test_table_lists_every_arm(bench, capsys):
     for name in (BASE, *RUN, REFUSED):
         assert name in text
     assert "greedy accuracy on 12 held-out rows" in text
+    rates = text.split("collections' pass rates", 1)[1].splitlines()
+    assert rates[1].split() == ["arm", "c0", "c1"] and any(r.startswith("ADMM-ring ") for r in rates)
 
 
 def test_reuse_gives_the_same_summary(bench, tmp_path):
