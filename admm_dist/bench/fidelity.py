@@ -8,9 +8,14 @@ Run::
 
 What one run does, for every seed of ``--seeds``:
 
-1. **One collection.** The first training arm collects the on-policy fit set under the
-   config (with that ``seed``) and writes it to the seed's ``fitset_cache``; every other arm
-   of the seed reads the same file, so the arms differ only in how they train.
+1. **One first collection per seed.** A dry run collects the on-policy fit set under the
+   config (with that ``seed``) and writes it to the seed's ``fitset_cache``; every arm of the
+   seed reads the same file, so the arms start from the same examples. With
+   ``recollect_every N`` each arm then collects again every N rounds on fresh training
+   queries under its own current adapter (Algorithm A1, step 3); the benchmark reports every
+   collection's pass rate per arm and, for the arms that deploy one consensus adapter, the
+   learning curve: greedy accuracy after each collection's rounds (z of that round's
+   checkpoint), with its interval.
 2. **The arms** (:data:`ARMS`), each a real :class:`admm_dist.training.trainer.Trainer` run with the
    single-process backend (all nodes in one process on one backbone: the numbers of one
    gloo rank per node, which ``tests/training/test_trainer.py`` checks for every arm):
@@ -33,11 +38,14 @@ training across seeds and the finite set of evaluation rows. A t-interval over t
 gains (seeds only) is in the JSON too. Arm-against-arm differences (each arm minus ADMM-ring)
 use the same bootstrap on their paired per-row differences.
 
-Work is split over ``--jobs`` worker processes, one seed (or the base) each, one torch
-thread per worker; each writes ``<workdir>/<job>.json``, and the parent assembles the
+Work is split over ``--jobs`` worker processes, one job each at a time, one torch thread per
+worker: the base's evaluation, each seed's first collection, and one job per seed and arm
+(started once its seed's collection is there), so the workers stay busy to the end whatever
+the number of seeds. Each job writes ``<workdir>/<job>.json``, and the parent assembles the
 table, the JSON (``--json``) and the figure (``--png``: accuracy by arm with its interval
 and per-seed points, then each arm's per-round local objectives and primal residuals,
-averaged over seeds). ``--reuse`` keeps a job's file when its settings are unchanged.
+averaged over seeds; with ``recollect_every``, a second figure ``PATH-curve.png``: the
+learning curve). ``--reuse`` keeps a job's file when its settings are unchanged.
 
 This module owns the command line (:func:`parse_args`) and the whole run: the worker processes,
 one job each (:func:`main` with ``--job`` in a worker), and the assembly of their results. The
@@ -47,16 +55,28 @@ figure in :mod:`admm_dist.bench.fidelity_stats`.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from admm_dist.bench.common import write_json
-from admm_dist.bench.fidelity_run import ARM_NAMES, BASE, BenchError, base_config, job_key, run_job
+from admm_dist.bench.fidelity_run import (
+    ARM_NAMES,
+    BASE,
+    COLLECT,
+    BenchError,
+    arm_job,
+    assemble_seed,
+    base_config,
+    job_key,
+    parse_job,
+    run_job,
+    seed_jobs,
+)
 from admm_dist.bench.fidelity_stats import format_table, summarize
 
 PROG = "python -m admm_dist.bench.fidelity"
@@ -108,6 +128,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def curve_png(png: str) -> str:
+    """Where ``--png`` PATH's learning curve goes: PATH with ``-curve`` before its extension."""
+    stem, ext = os.path.splitext(png)
+    return f"{stem}-curve{ext or '.png'}"
+
+
 # --------------------------------------------------------------------------- the whole run
 def _run_worker(args, job: str, argv: Sequence[str]) -> dict:
     path = os.path.join(args.workdir, f"{job}.json")
@@ -126,6 +152,60 @@ def _run_worker(args, job: str, argv: Sequence[str]) -> dict:
         return json.load(fh)
 
 
+def job_order(args) -> List[str]:
+    """Every job, in the order workers take them: the base, every seed's first collection (each
+    seed's arms need it), then the arms seed by seed."""
+    per_seed = [seed_jobs(s, args.arm_list) for s in args.seed_list]
+    return [BASE] + [jobs[0] for jobs in per_seed] + [j for jobs in per_seed for j in jobs[1:]]
+
+
+def run_jobs(args, argv: Sequence[str], t0: float) -> Dict[str, dict]:
+    """Run every job on ``--jobs`` worker processes, an arm's job only once its seed's collection
+    is done; the first failure stops the run (jobs already running finish, no new one starts)."""
+    todo = job_order(args)
+    needs = {j: None if j == BASE or parse_job(j)[1] == COLLECT else arm_job(parse_job(j)[0], COLLECT)
+             for j in todo}
+    results: Dict[str, dict] = {}
+    cond = threading.Condition()
+    failed: List[BaseException] = []
+
+    def take() -> Optional[str]:
+        with cond:
+            while True:
+                if failed:
+                    return None
+                ready = [j for j in todo if needs[j] is None or needs[j] in results]
+                if ready:
+                    todo.remove(ready[0])
+                    return ready[0]
+                if not todo:
+                    return None
+                cond.wait(timeout=5.0)
+
+    def worker() -> None:
+        while (job := take()) is not None:
+            try:
+                res = _run_worker(args, job, argv)
+            except BaseException as e:   # noqa: BLE001 (handed to the main thread)
+                with cond:
+                    failed.append(e)
+                    cond.notify_all()
+                return
+            with cond:
+                results[job] = res
+                cond.notify_all()
+            print(f"[{time.time() - t0:6.0f}s] {job} done in {res['seconds']:.0f}s", flush=True)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
+    return results
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -140,15 +220,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         t0 = time.time()
         os.makedirs(args.workdir, exist_ok=True)
-        jobs = [BASE] + [f"seed{s}" for s in args.seed_list]
-        results: Dict[str, dict] = {}
-        with cf.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            futs = {pool.submit(_run_worker, args, j, argv): j for j in jobs}
-            for fut in cf.as_completed(futs):
-                j = futs[fut]
-                results[j] = fut.result()
-                print(f"[{time.time() - t0:6.0f}s] {j} done in {results[j]['seconds']:.0f}s", flush=True)
-        summary = summarize(args, results[BASE], [results[f"seed{s}"] for s in args.seed_list])
+        results = run_jobs(args, argv, t0)
+        seeds = [assemble_seed(args, s, results[arm_job(s, COLLECT)],
+                               {name: results[arm_job(s, name)] for name in args.arm_list})
+                 for s in args.seed_list]
+        summary = summarize(args, results[BASE], seeds)
         summary.update(config=args.config, overrides=args.overrides, eval_n=args.eval_n,
                        eval_seed=args.eval_seed, samples=args.samples, boot=args.boot,
                        jobs=args.jobs, threads=args.threads, seconds=round(time.time() - t0, 1),
@@ -161,9 +237,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from admm_dist.plots import figures   # matplotlib loads only when a figure is asked for
 
             title = f"learning benchmark: {len(args.seed_list)} seed(s), {args.eval_n} eval rows"
-            figures.save(figures.bench_overview(summary, args.arm_list, title), args.png, title,
-                         args.json or "python -m admm_dist.bench.fidelity")
+            source = args.json or "python -m admm_dist.bench.fidelity"
+            figures.save(figures.bench_overview(summary, args.arm_list, title), args.png, title, source)
             print(f"wrote {args.png}")
+            if summary.get("curves"):
+                path = curve_png(args.png)
+                title = f"learning curve: {len(args.seed_list)} seed(s), {args.eval_n} eval rows"
+                figures.save(figures.learning_curve(summary, title), path, title, source)
+                print(f"wrote {path}")
         return 0
     except (BenchError, subprocess.TimeoutExpired) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

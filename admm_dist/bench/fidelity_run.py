@@ -63,18 +63,77 @@ def base_config(args, seed: int, arm: Optional[Arm] = None, *, quiet: bool = Tru
             "overwrite=true",   # a job rerun (not --reuse) replaces that arm's earlier run
             f"quiet={str(quiet).lower()}"]
     try:
-        return config_mod.load(TrainConfig, argv)
+        cfg = config_mod.load(TrainConfig, argv)
+        if cfg.recollect_every and cfg.keep_checkpoints < cfg.k_outer:
+            # the learning curve reads z at the end of every collection's rounds
+            cfg = dataclasses.replace(cfg, keep_checkpoints=cfg.k_outer)
+        return cfg
     except (config_mod.ConfigError, ValueError) as e:
         raise BenchError(f"config {args.config} with {' '.join(args.overrides) or 'no overrides'}: {e}") from None
 
 
+def curve_rounds(cfg) -> List[int]:
+    """The rounds that end a collection's training, the last round included: where the learning
+    curve is read (the last only when the run collects once)."""
+    every = cfg.recollect_every
+    inner = list(range(every, cfg.k_outer, every)) if every else []
+    return inner + [cfg.k_outer]
+
+
+def score_curve(args, cfg, final_rows: List[float], report: str) -> Dict[str, object]:
+    """Greedy accuracy per row after each collection's rounds (a consensus arm: z of that round's
+    checkpoint on every seat, saved with the ``-last`` file's adapter identity)."""
+    from safetensors.torch import load_file
+
+    from admm_dist.model.vectors import load_vector, save_vector
+    from admm_dist.training.checkpoint import ckpt_root, round_dir
+
+    rounds = curve_rounds(cfg)
+    _, meta = load_vector(cfg.out + "-last.safetensors")
+    rows = []
+    for k in rounds[:-1]:
+        z = load_file(os.path.join(round_dir(ckpt_root(cfg.out), k), "node-0.safetensors"))["z"]
+        path = f"{cfg.out}-round{k}.safetensors"
+        save_vector(path, z, dict(meta, round=k))
+        rows.append(score_rows(_greedy_only(args), cfg, ["--adapter", path, "--train_report", report])["greedy"])
+    return {"rounds": rounds, "greedy": rows + [final_rows]}
+
+
+def _greedy_only(args):
+    """``args`` with sampling off (the curve is greedy only)."""
+    import copy
+
+    a = copy.copy(args)
+    a.samples = 0
+    return a
+
+
+COLLECT = "collect"     # the job that makes a seed's shared first collection
+
+
+def seed_jobs(seed: int, arm_names) -> List[str]:
+    """A seed's jobs: its first collection, then one per arm (each needs the collection)."""
+    return [arm_job(seed, COLLECT)] + [arm_job(seed, name) for name in arm_names]
+
+
+def arm_job(seed: int, name: str) -> str:
+    return f"seed{seed}-{name}"
+
+
+def parse_job(job: str):
+    """``seedS-NAME`` -> (S, NAME)."""
+    head, _, name = job.partition("-")
+    return int(head.removeprefix("seed")), name
+
+
 def job_key(args, job: str) -> str:
-    """What a job's result depends on (``--reuse`` compares it)."""
+    """What a job's result depends on (``--reuse`` compares it): the config, the evaluation and,
+    for an arm's job, that arm (adding an arm reuses the others)."""
     cfg = args.train_config
     d = {"job": job, "config": {k: v for k, v in cfg.as_dict().items()
                                 if k not in ("seed", "fitset_cache", "out", "report_dir", "quiet")},
-         "arms": args.arm_list, "eval_n": args.eval_n, "eval_seed": args.eval_seed,
-         "samples": args.samples, "threads": args.threads, "version": 1}
+         "eval_n": args.eval_n, "eval_seed": args.eval_seed,
+         "samples": args.samples, "threads": args.threads, "version": 2}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -132,20 +191,18 @@ def train_arm(cfg) -> Dict[str, object]:
             "f": [r["f"] for r in rounds], "primal_normalized": [r["primal_normalized"] for r in rounds],
             "primal": [r["primal"] for r in rounds], "dual": [r["dual"] for r in rounds],
             "delta_w_rel": report.get("delta_w_rel"), "node_sizes": report.get("node_sizes"),
-            "collection": {k: report.get("collection", {}).get(k) for k in COLLECTION_KEYS},
-            # every collection of this arm: the first is the seed's shared one (collected by
-            # whichever job got there first, read from fitset_cache by the others), later ones
-            # (recollect_every) ran under the arm's own adapter
-            "collections": [{k: c.get(k) for k in COLLECTION_KEYS} for c in
-                            [_first_collection(cfg)] + [c for c in report.get("collections") or []
-                                                        if c.get("collection", 0) > 0]]}
+            # the arm's own later collections (recollect_every), under its own adapter
+            "recollections": [{k: c.get(k) for k in COLLECTION_KEYS} for c in report.get("collections") or []
+                              if c.get("collection", 0) > 0]}
 
 
-def _first_collection(cfg) -> Dict[str, object]:
-    """The stats of the seed's shared first collection (its fitset_cache file)."""
+def first_collection(cfg) -> Dict[str, object]:
+    """The stats of the seed's shared first collection (its fitset_cache file, written by the
+    seed's first arm, read by every other)."""
     from admm_dist.data.fitset import load_fitset
 
-    return load_fitset(cfg.fitset_cache).stats if cfg.fitset_cache and os.path.isfile(cfg.fitset_cache) else {}
+    stats = load_fitset(cfg.fitset_cache).stats if cfg.fitset_cache and os.path.isfile(cfg.fitset_cache) else {}
+    return {k: stats.get(k) for k in COLLECTION_KEYS}
 
 
 def deployed_vectors(cfg, arm: Arm) -> Dict[int, "object"]:
@@ -162,35 +219,63 @@ def deployed_vectors(cfg, arm: Arm) -> Dict[int, "object"]:
 
 
 def run_job(args, job: str) -> Dict[str, object]:
+    """One worker's job: the base's rows, a seed's first collection (a dry run that writes the
+    seed's ``fitset_cache``, which every arm of the seed then reads), or one arm of one seed:
+    trained, evaluated, and for a consensus arm that collects again, its learning curve."""
     import torch
 
     torch.set_num_threads(args.threads)
     t0 = time.time()
+    out: Dict[str, object] = {"job": job, "key": job_key(args, job)}
     if job == BASE:
-        cfg = args.train_config
-        return {"job": job, "key": job_key(args, job), "rows": score_rows(args, cfg, []),
-                "seconds": round(time.time() - t0, 2)}
-    seed = int(job.removeprefix("seed"))
+        out["rows"] = score_rows(args, args.train_config, [])
+    else:
+        seed, name = parse_job(job)
+        out["seed"] = seed
+        if name == COLLECT:
+            cfg = dataclasses.replace(base_config(args, seed), dry_run=True)
+            train_arm(cfg)
+            out["collection"] = first_collection(cfg)
+        else:
+            out["arm"] = name
+            out["result"] = run_arm(args, seed, next(a for a in ARMS if a.name == name))
+    out["seconds"] = round(time.time() - t0, 2)
+    return out
+
+
+def run_arm(args, seed: int, arm: Arm) -> Dict[str, object]:
+    try:
+        cfg = base_config(args, seed, arm)
+    except BenchError as e:   # e.g. rho_adapt on an ablation: that arm is refused, not the run
+        return {"refused": str(e)}
+    res = train_arm(cfg)
+    if res["refused"] is None:
+        report = os.path.join(cfg.report_dir, f"{os.path.basename(cfg.out)}-train.json")
+        deploy = (["--adapter", cfg.out + "-last.safetensors"] if arm.deploy == "consensus"
+                  else ["--deploy", "local", "--state", cfg.out])
+        res["rows"] = score_rows(args, cfg, deploy + ["--train_report", report])
+        if cfg.recollect_every and arm.deploy == "consensus":
+            res["curve"] = score_curve(args, cfg, res["rows"]["greedy"], report)
+    return res
+
+
+def assemble_seed(args, seed: int, collect: dict, arm_jobs: Dict[str, dict]) -> Dict[str, object]:
+    """A seed's result from its jobs: every arm's collections (the shared first one, then the
+    arm's own) and its deployed vectors' distances to Centralized."""
+    first = collect["collection"]
     arms: Dict[str, dict] = {}
     vectors = {}
     for arm in (a for a in ARMS if a.name in args.arm_list):
-        try:
-            cfg = base_config(args, seed, arm)
-        except BenchError as e:   # e.g. rho_adapt on an ablation: that arm is refused, not the run
-            arms[arm.name] = {"refused": str(e)}
-            continue
-        res = train_arm(cfg)
-        if res["refused"] is None:
-            report = os.path.join(cfg.report_dir, f"{os.path.basename(cfg.out)}-train.json")
-            deploy = (["--adapter", cfg.out + "-last.safetensors"] if arm.deploy == "consensus"
-                      else ["--deploy", "local", "--state", cfg.out])
-            res["rows"] = score_rows(args, cfg, deploy + ["--train_report", report])
-            vectors[arm.name] = deployed_vectors(cfg, arm)
+        res = dict(arm_jobs[arm.name]["result"])
+        if res.get("refused") is None:
+            res["collection"] = first
+            res["collections"] = [first] + res.pop("recollections")
+            vectors[arm.name] = deployed_vectors(base_config(args, seed, arm), arm)
         arms[arm.name] = res
     ref = vectors.get("Centralized")
     if ref:
         for name, vec in vectors.items():
             d = [float((vec[s] - ref[s]).norm() / ref[s].norm().clamp_min(1e-30)) for s in sorted(ref)]
             arms[name]["distance_to_centralized"] = d
-    return {"job": job, "key": job_key(args, job), "seed": seed, "arms": arms,
-            "seconds": round(time.time() - t0, 2)}
+    return {"seed": seed, "arms": arms,
+            "seconds": round(collect["seconds"] + sum(j["seconds"] for j in arm_jobs.values()), 2)}

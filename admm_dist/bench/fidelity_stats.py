@@ -102,7 +102,28 @@ def summarize(args, base: dict, seeds: List[dict]) -> Dict[str, object]:
         }
     out["collection"] = [next((a.get("collection") for a in s["arms"].values() if a.get("collection")), None)
                          for s in seeds]
+    curves = {name: _curve(args, base, [s["arms"][name] for s in seeds]) for name in args.arm_list}
+    out["curves"] = {name: c for name, c in curves.items() if c}
     return out
+
+
+def _curve(args, base: dict, per: List[dict]) -> Dict[str, object]:
+    """A consensus arm's greedy accuracy after each collection's rounds (empty when it collected
+    once or was refused): per point the per-seed accuracy, the mean gain over the base and its
+    crossed-bootstrap interval."""
+    if not all(p.get("curve") for p in per):
+        return {}
+    b = base["rows"]["greedy"]
+    rounds = per[0]["curve"]["rounds"]
+    points = []
+    for i, k in enumerate(rounds):
+        rows = [p["curve"]["greedy"][i] for p in per]
+        d = [[y - x for y, x in zip(r, b)] for r in rows]
+        acc = [sum(r) / len(r) for r in rows]
+        points.append({"round": k, "collections": i + 1, "accuracy": acc, "mean": sum(acc) / len(acc),
+                       "gain": sum(sum(r) / len(r) for r in d) / len(d),
+                       "gain_ci95": list(crossed_bootstrap(d, args.boot, seed=2 + i))})
+    return {"base": sum(b) / len(b), "points": points}
 
 
 def format_table(summary: Dict[str, object], args) -> str:
@@ -132,7 +153,26 @@ def format_table(summary: Dict[str, object], args) -> str:
                     row += f"{r['minus_ref']:+9.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>18}"
             lines.append(row)
     lines += _pass_rate_lines(summary, args)
+    lines += _curve_lines(summary)
     return "\n".join(lines)
+
+
+def _curve_lines(summary: Dict[str, object]) -> List[str]:
+    """The learning curve: each consensus arm's greedy gain after 1, 2, ... collections."""
+    curves = summary.get("curves") or {}
+    if not curves:
+        return []
+    most = max(len(c["points"]) for c in curves.values())
+    lines = ["\ngreedy gain over the base after each collection's rounds (mean over seeds, 95% CI over "
+             "seeds and rows)", f"{'arm':<13}" + "".join(f"{f'{c + 1} coll.':>24}" for c in range(most))]
+    for name, c in curves.items():
+        cells = []
+        for p in c["points"]:
+            lo, hi = p["gain_ci95"]
+            cells.append(f"{p['gain']:+7.3f} [{lo:+.3f}, {hi:+.3f}]".rjust(24))
+        lines.append(f"{name:<13}" + "".join(cells))
+    lines.append(f"{'(round)':<13}" + "".join(f"{p['round']:>24}" for p in next(iter(curves.values()))["points"]))
+    return lines
 
 
 def _pass_rate_lines(summary: Dict[str, object], args) -> List[str]:

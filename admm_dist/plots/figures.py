@@ -292,6 +292,34 @@ def bench_overview(summary: dict, arm_names: Sequence[str], title: str) -> Figur
     return fig
 
 
+def learning_curve(summary: dict, title: str) -> Figure:
+    """Greedy accuracy against the number of collections (0: the base), one line per consensus
+    arm at its mean over seeds, with the 95% interval of its gain (shifted onto the accuracy
+    axis) as a band, from the benchmark's ``curves`` (``recollect_every`` runs only)."""
+    curves = summary.get("curves") or {}
+    if not curves:
+        raise UserError("the summary has no learning curve: run the benchmark with recollect_every=N")
+    fig, (ax,) = new_figure(1, title)
+    for j, (name, c) in enumerate(curves.items()):
+        base = c["base"]
+        xs = [0] + [p["collections"] for p in c["points"]]
+        ys = [base] + [p["mean"] for p in c["points"]]
+        lo = [base] + [base + p["gain_ci95"][0] for p in c["points"]]
+        hi = [base] + [base + p["gain_ci95"][1] for p in c["points"]]
+        ax.plot(xs, ys, color=f"C{j}", marker="o", label=name)
+        ax.fill_between(xs, lo, hi, color=f"C{j}", alpha=0.2)
+        for p in c["points"]:
+            ax.scatter([p["collections"]] * len(p["accuracy"]), p["accuracy"], color=f"C{j}", s=8, alpha=0.6)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("collections trained on (0: the base chain)")
+    ax.set_ylabel("greedy accuracy on the held-out rows")
+    ax.set_title("mean over seeds; band: 95% CI of the gain; points: seeds", fontsize=8)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
 # ---------------------------------------------------------------------------- the command
 Job = tuple[str, Callable[[], Figure], str]       # (file name, figure, source)
 

@@ -58,6 +58,20 @@ def test_every_arm_asked_for_runs_and_writes_json_and_png(bench, capsys):
         assert len(arm["pass_rates"][0]) == 2 and all(0 <= r <= 1 for r in arm["pass_rates"][0])
     first = {summary["arms"][name]["pass_rates"][0][0] for name in RUN}
     assert len(first) == 1                       # every arm started from the same collection
+    assert summary["collection"][0]["mean_pass_rate"] in first   # the seed's shared one, not an arm's last
+    # the learning curve: each consensus arm's z after round 1 (one collection) and round 2 (two)
+    curves = summary["curves"]
+    assert set(curves) == {"ADMM-ring", "Centralized"}         # decentralized deploys per seat
+    for name, c in curves.items():
+        assert [p["round"] for p in c["points"]] == [1, 2] and [p["collections"] for p in c["points"]] == [1, 2]
+        assert c["base"] == summary["modes"]["greedy"][BASE]["mean"]
+        last = c["points"][-1]
+        assert last["accuracy"] == summary["modes"]["greedy"][name]["accuracy"]   # the -last adapter
+        for p in c["points"]:
+            assert p["gain"] == pytest.approx(p["mean"] - c["base"])
+            assert p["gain_ci95"][0] <= p["gain"] + 1e-12 <= p["gain_ci95"][1] + 2e-12
+    assert fidelity.curve_png(str(png)).endswith("b-curve.png")
+    assert open(fidelity.curve_png(str(png)), "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
     # Centralized is at distance 0 from itself; per-seat arms have one distance per seat
     assert summary["arms"]["Centralized"]["distance_to_centralized"][0] == [0.0] * 4
 
@@ -73,6 +87,9 @@ def test_table_lists_every_arm(bench, capsys):
     assert "greedy accuracy on 12 held-out rows" in text
     rates = text.split("collections' pass rates", 1)[1].splitlines()
     assert rates[1].split() == ["arm", "c0", "c1"] and any(r.startswith("ADMM-ring ") for r in rates)
+    curve = text.split("after each collection's rounds", 1)[1].splitlines()
+    assert curve[1].split() == ["arm", "1", "coll.", "2", "coll."]
+    assert [r.split()[0] for r in curve[2:4]] == ["ADMM-ring", "Centralized"] and curve[4].split() == ["(round)", "1", "2"]
 
 
 def test_reuse_gives_the_same_summary(bench, tmp_path):
@@ -120,3 +137,11 @@ def test_an_arm_the_overrides_make_invalid_is_refused_not_the_run(bench):
         assert "rho_adapt" in table[REFUSED]["refused"]["3"]
         assert all("refused" not in table[name] for name in RUN)
     assert set(ARM_NAMES) >= {*RUN, REFUSED}
+
+
+def test_jobs_run_base_then_every_seeds_collection_then_the_arms():
+    """One job per seed and arm, after its seed's first collection: the workers stay busy to
+    the end whatever the number of seeds (5 seeds on 2 workers no longer leave one idle)."""
+    args = fidelity.parse_args(["--seeds", "4,5", "--arms", "ADMM-ring,Centralized"])
+    assert fidelity.job_order(args) == [BASE, "seed4-collect", "seed5-collect", "seed4-ADMM-ring",
+                                        "seed4-Centralized", "seed5-ADMM-ring", "seed5-Centralized"]

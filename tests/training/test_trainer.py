@@ -12,46 +12,12 @@ from safetensors.torch import load_file
 
 from admm_dist.core.errors import UserError
 from admm_dist.engine.launcher import launch_cpu
-from admm_dist.testing import faults
 from admm_dist.testing.synthetic import write_fitset
 from admm_dist.testing.tiny import save_tiny_backbone
-from admm_dist.training.config import TrainConfig
 from admm_dist.training.trainer import Trainer
 
-from conftest import cli_rank, train_local
-
-N = 3
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    d = tmp_path_factory.mktemp("assets")
-    bb = save_tiny_backbone(str(d / "backbone"), seed=1, hidden=32, layers=2, heads=2)
-    tok = AutoTokenizer.from_pretrained(bb)
-    settings = {"task": "synthetic", "n_agents": N, "adapt_roles": "all"}
-    dpo = write_fitset(str(d / "dpo.jsonl"), settings=settings, per_seat=16, tokenizer=tok)
-    return {"backbone": bb, "dpo": dpo, "dir": d, "settings": settings}
-
-
-def _settings(assets, out, **kw):
-    """The tiny run every test starts from, as {key: value}."""
-    base = dict(model_name=assets["backbone"], fitset_cache=assets["dpo"], task="synthetic",
-                n_agents=N, device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
-                k_outer=3, local_steps=3, batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0,
-                out=str(out / "run"), report_dir=str(out / "reports"), quiet=True, timeout_s=60)
-    base.update(kw)
-    return base
-
-
-def _cfg(assets, out, **kw):
-    return TrainConfig(**_settings(assets, out, **kw))
-
-
-def _train_worker(ctx, cfg):
-    report = Trainer(cfg, ctx).train()
-    return report["loss_curve"]
+from conftest import train_local
+from trainer_runs import N, _args, _cfg, _launch_cli, _train_worker, assets  # noqa: F401 (fixture)
 
 
 ARMS = {
@@ -134,22 +100,6 @@ def test_dpo_loss_falls_and_the_exported_peft_adapter_reproduces_logits(assets, 
         assert torch.allclose(peft(ids).logits, ad.model.eval()(ids).logits, atol=1e-5)
 
 
-def _args(assets, out, **kw):
-    """The same run as command-line overrides (k=v), shorter rounds for the CLI tests."""
-    d = _settings(assets, out, **dict(dict(k_outer=4, local_steps=2, timeout_s=30), **kw))
-    return [f"{k}={v}" for k, v in d.items()]
-
-
-def _launch_cli(args, nproc, monkeypatch, restarts=0, fault=None):
-    """The training command on ``nproc`` ranks under torchrun's elastic agent (in-process, from a
-    fork server: no interpreter start-up per rank); ``fault`` plans one (admm_dist.testing.faults)."""
-    monkeypatch.delenv(faults.ENV, raising=False)
-    if fault:
-        monkeypatch.setenv(faults.ENV, fault)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    return launch_cpu(cli_rank, nproc, args, timeout_s=120, max_restarts=restarts, setup=False)
-
-
 def test_killed_rank_resumes_bit_for_bit(assets, tmp_path, monkeypatch):
     clean = _launch_cli(_args(assets, tmp_path / "clean"), N, monkeypatch)
     assert clean == {r: 0 for r in range(N)}
@@ -162,93 +112,6 @@ def test_killed_rank_resumes_bit_for_bit(assets, tmp_path, monkeypatch):
     # only the last few checkpoints are kept
     rounds = sorted(os.listdir(tmp_path / "hurt" / "run.ckpt"))
     assert rounds == ["round-000002", "round-000003", "round-000004"]
-
-
-def test_more_ranks_than_nodes_is_refused(assets, tmp_path, monkeypatch, capfd):
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    with pytest.raises(ChildFailedError):
-        _launch_cli(_args(assets, tmp_path), N + 1, monkeypatch)
-    errs = [l for l in capfd.readouterr().err.splitlines() if "admm_dist.train: error" in l]
-    assert errs and all(f"world size {N + 1} > number of nodes {N}" in l for l in errs), errs
-    assert f"torchrun --nproc_per_node {N}" in errs[0]
-    assert not os.path.exists(tmp_path / "run-last.safetensors")
-
-
-@pytest.mark.parametrize("consensus", ["ring", "gossip", "coordinator"])
-def test_fewer_ranks_than_nodes_train_the_oracles_nodes(consensus, assets, tmp_path):
-    """N = 3 nodes on W = 2 ranks (nodes 0, 1 on rank 0; node 2 on rank 1): every node file
-    equals the single-process run's, bit for bit for ring and gossip."""
-    kw = dict(consensus=consensus, topology="chain") if consensus == "gossip" else dict(consensus=consensus)
-    dist_cfg = _cfg(assets, tmp_path / "dist", **kw)
-    local_cfg = _cfg(assets, tmp_path / "local", **kw)
-    launch_cpu(_train_worker, 2, dist_cfg, timeout_s=120)
-    train_local(local_cfg)
-    for i in range(N):
-        a = load_file(os.path.join(dist_cfg.out, f"node-{i}.safetensors"))
-        b = load_file(os.path.join(local_cfg.out, f"node-{i}.safetensors"))
-        for key in ("x", "z", "u"):
-            if consensus == "coordinator":
-                assert float((a[key] - b[key]).norm() / b[key].norm().clamp_min(1e-30)) <= 1e-5, (i, key)
-            else:
-                assert torch.equal(a[key], b[key]), (consensus, i, key)
-    rep = json.loads((tmp_path / "dist" / "reports" / "run-train.json").read_text())
-    assert rep["n_nodes"] == N and len(rep["rounds"][-1]["f"]) == N
-    assert rep["placement"] == [[0, 1], [2]] and rep["backend"] == "BlockCommunicator"
-    last = rep["rounds"][-1]
-    if consensus != "coordinator":   # node 0 hands node 1 its part in memory; node 1 sends to node 2
-        assert last["bytes_in_process"][0] > 0 and last["bytes_sent"][1] > 0
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("consensus", ["ring", "gossip"])
-def test_four_nodes_on_any_number_of_ranks_equal_one_process(consensus, world, tiny_assets, tmp_path):
-    """N = 4 nodes on W = 2, 3, 4 ranks: the final z and every node file are the single-process
-    run's (W = 1), bit for bit."""
-    four = tiny_assets(4)
-    four = {"backbone": four["backbone"], "dpo": four["fit"]}
-    kw = dict(n_agents=4, consensus=consensus, **(dict(topology="ring") if consensus == "gossip" else {}))
-    dist_cfg = _cfg(four, tmp_path / "dist", **kw)
-    local_cfg = _cfg(four, tmp_path / "local", **kw)
-    launch_cpu(_train_worker, world, dist_cfg, timeout_s=180)
-    train_local(local_cfg)
-    assert torch.equal(load_file(dist_cfg.out + "-last.safetensors")["b"],
-                       load_file(local_cfg.out + "-last.safetensors")["b"])
-    for i in range(4):
-        a = load_file(os.path.join(dist_cfg.out, f"node-{i}.safetensors"))
-        b = load_file(os.path.join(local_cfg.out, f"node-{i}.safetensors"))
-        assert all(torch.equal(a[k], b[k]) for k in ("x", "z", "u")), (consensus, world, i)
-
-
-@pytest.mark.parametrize("consensus,compress", [pytest.param("ring", "none", marks=pytest.mark.slow),
-                                               pytest.param("gossip", "none", marks=pytest.mark.slow),
-                                               ("decentralized", "int8")])   # the one with per-node comm state
-def test_a_run_resumes_onto_another_world_size_bit_for_bit(consensus, compress, tiny_assets, tmp_path):
-    """Checkpoints are per node (the public copies of compressed consensus too): N = 4 nodes, 2
-    rounds on 4 ranks, then resume=auto on 2 ranks, then on 3 (blocks 2, 1, 1), ends where one
-    uninterrupted single-process run ends, bit for bit."""
-    import dataclasses
-
-    four = tiny_assets(4)
-    four = {"backbone": four["backbone"], "dpo": four["fit"]}
-    kw = dict(n_agents=4, consensus=consensus, compress=compress,
-              **(dict(topology="chain") if consensus != "ring" else {}))
-    clean = _cfg(four, tmp_path / "clean", k_outer=4, **kw)
-    train_local(clean)
-    moved = _cfg(four, tmp_path / "moved", k_outer=2, **kw)
-    launch_cpu(_train_worker, 4, moved, timeout_s=120)
-    launch_cpu(_train_worker, 2, dataclasses.replace(moved, k_outer=3, resume="auto"), timeout_s=120)
-    launch_cpu(_train_worker, 3, dataclasses.replace(moved, k_outer=4, resume="auto"), timeout_s=120)
-    report = json.loads((tmp_path / "moved" / "reports" / "run-train.json").read_text())
-    assert report["resumed"]["after_round"] == 3 and len(report["rounds"]) == 4
-    assert report["placement"] == [[0, 1], [2], [3]]
-    assert torch.equal(load_file(clean.out + "-last.safetensors")["b"],
-                       load_file(moved.out + "-last.safetensors")["b"])
-    for i in range(4):
-        a = load_file(os.path.join(clean.out, f"node-{i}.safetensors"))
-        b = load_file(os.path.join(moved.out, f"node-{i}.safetensors"))
-        assert all(torch.equal(a[k], b[k]) for k in ("x", "z", "u")), (consensus, i)
 
 
 def test_non_finite_loss_stops_every_rank_with_round_and_node(assets, tmp_path, monkeypatch, capfd):

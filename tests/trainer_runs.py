@@ -1,0 +1,63 @@
+"""The tiny trainer run the trainer's tests start from: a random 2-layer Qwen3 (built offline)
+with N = 3 seats and a synthetic DPO fit set (``assets``, one per test module), as a config
+(``_cfg``), as command-line overrides (``_args``), in one rank (``_train_worker``) or under
+torchrun's elastic agent (``_launch_cli``)."""
+import pytest
+
+from admm_dist.engine.launcher import launch_cpu
+from admm_dist.testing import faults
+from admm_dist.testing.synthetic import write_fitset
+from admm_dist.testing.tiny import save_tiny_backbone
+from admm_dist.training.config import TrainConfig
+from admm_dist.training.trainer import Trainer
+
+from conftest import cli_rank
+
+N = 3
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("assets")
+    bb = save_tiny_backbone(str(d / "backbone"), seed=1, hidden=32, layers=2, heads=2)
+    tok = AutoTokenizer.from_pretrained(bb)
+    settings = {"task": "synthetic", "n_agents": N, "adapt_roles": "all"}
+    dpo = write_fitset(str(d / "dpo.jsonl"), settings=settings, per_seat=16, tokenizer=tok)
+    return {"backbone": bb, "dpo": dpo, "dir": d, "settings": settings}
+
+
+def _settings(assets, out, **kw):
+    """The tiny run every test starts from, as {key: value}."""
+    base = dict(model_name=assets["backbone"], fitset_cache=assets["dpo"], task="synthetic",
+                n_agents=N, device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
+                k_outer=3, local_steps=3, batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0,
+                out=str(out / "run"), report_dir=str(out / "reports"), quiet=True, timeout_s=60)
+    base.update(kw)
+    return base
+
+
+def _cfg(assets, out, **kw):
+    return TrainConfig(**_settings(assets, out, **kw))
+
+
+def _train_worker(ctx, cfg):
+    report = Trainer(cfg, ctx).train()
+    return report["loss_curve"]
+
+
+def _args(assets, out, **kw):
+    """The same run as command-line overrides (k=v), shorter rounds for the CLI tests."""
+    d = _settings(assets, out, **dict(dict(k_outer=4, local_steps=2, timeout_s=30), **kw))
+    return [f"{k}={v}" for k, v in d.items()]
+
+
+def _launch_cli(args, nproc, monkeypatch, restarts=0, fault=None):
+    """The training command on ``nproc`` ranks under torchrun's elastic agent (in-process, from a
+    fork server: no interpreter start-up per rank); ``fault`` plans one (admm_dist.testing.faults)."""
+    monkeypatch.delenv(faults.ENV, raising=False)
+    if fault:
+        monkeypatch.setenv(faults.ENV, fault)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    return launch_cpu(cli_rank, nproc, args, timeout_s=120, max_restarts=restarts, setup=False)
