@@ -92,7 +92,7 @@ import torch
 import torch.distributed as dist
 
 from admm_dist.bench.comm_wire import IFACE, wire_bracket, wire_fields
-from admm_dist.bench.common import CpuWindow, load_str, loadavg, write_json
+from admm_dist.bench.common import Column, CpuWindow, format_rows, load_str, loadavg, num, write_json
 
 METHODS = ("ring", "all_reduce", "gossip", "all_reduce_sum")
 DEFAULT_SIZES = (1.0, 16.0, 90.0)
@@ -244,31 +244,34 @@ def run(sizes: Sequence[float], nprocs: Sequence[int], reps: int, *, warmup: int
     return {"records": records, "load": load}
 
 
-def _fmt_bytes(x: Optional[float]) -> str:
-    return "n/a" if x is None else f"{x:,.0f}"
+def _bytes(x: Optional[float]) -> str:
+    return num(x, ",.0f")
 
 
-def _fmt_ratio(num: Optional[float], den: Optional[float], digits: int = 4) -> str:
-    return "n/a" if num is None or not den else format(num / den, f".{digits}f")
+def _ratio(num_: Optional[float], den: Optional[float], digits: int = 4) -> str:
+    return "n/a" if num_ is None or not den else format(num_ / den, f".{digits}f")
+
+
+COLUMNS = (
+    Column("n", 2, lambda r: str(r["n"])),
+    Column("MiB", 5, lambda r: format(r["mib"], "g")),
+    Column("method", 14, lambda r: r["method"], "<"),
+    Column("median s", 9, lambda r: format(r["median_s"], ".4f")),
+    Column("/all_red", 8, lambda r: _ratio(r.get("ratio_to_all_reduce"), 1.0, 3)),
+    Column("paired", 6, lambda r: _ratio(r.get("paired_ratio_median"), 1.0, 3)),
+    Column("meter B/rank", 13, lambda r: _bytes(r["meter_bytes_per_rank"])),
+    Column("wire B/rank", 13, lambda r: _bytes(r["wire_bytes_per_rank"])),
+    Column("analytic B/rank", 15, lambda r: _bytes(r["analytic_bytes_per_rank"])),
+    Column("wire/an", 7, lambda r: _ratio(r["wire_bytes_per_rank"], r["analytic_bytes_per_rank"])),
+    Column("rtx B/rank", 10, lambda r: _bytes(r.get("tcp_retrans_bytes_per_rank"))),
+    Column("net/an", 7, lambda r: _ratio(r.get("wire_net_bytes_per_rank"), r["analytic_bytes_per_rank"])),
+    Column("tcp/an", 7, lambda r: _ratio(r.get("tcp_payload_bytes_per_rank"), r["analytic_bytes_per_rank"])),
+)
 
 
 def format_table(records: Sequence[Dict[str, object]]) -> str:
     """One row per (n, MiB, method); byte columns are per rank, ratios are to the analytic payload."""
-    head = (f"{'n':>2} {'MiB':>5} {'method':<14} {'median s':>9} {'/all_red':>8} {'paired':>6} "
-            f"{'meter B/rank':>13} {'wire B/rank':>13} {'analytic B/rank':>15} {'wire/an':>7} "
-            f"{'rtx B/rank':>10} {'net/an':>7} {'tcp/an':>7}")
-    lines = [head, "-" * len(head)]
-    for r in records:
-        an = r["analytic_bytes_per_rank"]
-        rtx = r.get("tcp_retrans_bytes_per_rank")
-        lines.append(
-            f"{r['n']:>2} {r['mib']:>5g} {r['method']:<14} {r['median_s']:>9.4f} "
-            f"{_fmt_ratio(r.get('ratio_to_all_reduce'), 1.0, 3):>8} "
-            f"{_fmt_ratio(r.get('paired_ratio_median'), 1.0, 3):>6} "
-            f"{_fmt_bytes(r['meter_bytes_per_rank']):>13} {_fmt_bytes(r['wire_bytes_per_rank']):>13} "
-            f"{_fmt_bytes(an):>15} {_fmt_ratio(r['wire_bytes_per_rank'], an):>7} "
-            f"{_fmt_bytes(rtx):>10} {_fmt_ratio(r.get('wire_net_bytes_per_rank'), an):>7} "
-            f"{_fmt_ratio(r.get('tcp_payload_bytes_per_rank'), an):>7}")
+    lines = format_rows(COLUMNS, records)
     lines.append("wire = loopback tx bytes (headers, ACKs, retransmissions included); rtx = bytes our "
                  "sockets retransmitted in that bracket; net = wire - rtx; tcp = payload our sockets "
                  "sent, retransmissions excluded")

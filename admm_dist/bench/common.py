@@ -8,6 +8,9 @@
 - :func:`load_footer` is the closing line of ``xstep`` and ``collect``; :func:`write_json`
   writes a benchmark's JSON summary atomically and says so; :func:`hush_future_warnings`
   keeps the libraries' deprecation chatter out of the tables.
+- :class:`Column` and :func:`format_rows` print a table of records: a header, a rule, then a
+  line per record, every cell right- or left-aligned to its column's width (``comm`` and
+  ``placement`` use them); :func:`num` writes a number, or n/a for a missing one.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import os
 import resource
 import time
 import warnings
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 
 class CpuClock:
@@ -124,3 +127,29 @@ def descendants(pid: int) -> List[int]:
             out.append(c)
             todo.append(c)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One column of :func:`format_rows`: its header, width (0: as wide as its text), alignment
+    (``>`` or ``<``), how a record becomes the cell's text, and the space before it."""
+    header: str
+    width: int
+    cell: Callable[[Mapping[str, Any]], str]
+    align: str = ">"
+    sep: str = " "
+
+
+def num(x: Optional[float], spec: str) -> str:
+    """``x`` formatted with ``spec``, or n/a when it is missing."""
+    return "n/a" if x is None else format(x, spec)
+
+
+def format_rows(columns: Sequence[Column], records: Sequence[Mapping[str, Any]]) -> List[str]:
+    """The header, a rule as long as it, and one line per record."""
+    def line(cells: Sequence[str]) -> str:
+        return "".join((col.sep if i else "") + format(c, f"{col.align}{col.width}" if col.width else "")
+                       for i, (col, c) in enumerate(zip(columns, cells)))
+
+    head = line([c.header for c in columns])
+    return [head, "-" * len(head)] + [line([c.cell(r) for c in columns]) for r in records]

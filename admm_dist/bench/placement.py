@@ -71,7 +71,7 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
-from admm_dist.bench.common import CpuWindow, descendants, load_str, loadavg
+from admm_dist.bench.common import Column, CpuWindow, descendants, format_rows, load_str, loadavg, num
 
 DEFAULT_CONFIG = "configs/cpu/standin_onpolicy.yaml"
 DEFAULT_WORLDS = (1, 2, 4)
@@ -268,24 +268,27 @@ def _blocks(placement: Optional[Sequence[Sequence[int]]]) -> str:
     return "?" if not placement else ",".join(str(len(b)) for b in placement)
 
 
-def _f(x: Optional[float], spec: str) -> str:
-    return "n/a" if x is None else format(x, spec)
+COLUMNS = (
+    Column("W", 2, lambda r: str(r["world"])),
+    Column("launcher", 8, lambda r: r["launcher"], "<"),
+    Column("blocks", 8, lambda r: _blocks(r["placement"]), "<"),
+    Column("wall s", 8, lambda r: num(r["wall_s"], ".1f")),
+    Column("train s", 8, lambda r: num(r["train_s"], ".1f")),
+    Column("collect s", 9, lambda r: num(r["collect_s"], ".1f")),
+    Column("rounds", 6, lambda r: str(r["rounds"])),
+    Column("round s", 8, lambda r: num(r["round_s"], ".3f")),
+    Column("x s", 7, lambda r: num(r["x_s"], ".3f")),
+    Column("z s", 7, lambda r: num(r["z_s"], ".3f")),
+    Column("wire B/round", 13, lambda r: num(r["wire_bytes_per_round"], ",.0f") + ("*" if r["wire_simulated"] else "")),
+    Column("inproc B/round", 14, lambda r: num(r["in_process_bytes_per_round"], ",.0f")),
+    Column("other cores", 11, lambda r: num(r["other_processes_cores"], ".2f")),
+    Column("sha256 of -last tensors", 0, lambda r: str(r["sha256"]), "<", sep="  "),
+)
 
 
 def format_table(runs: Sequence[Dict[str, Any]]) -> str:
     """One row per W; times in seconds, bytes per round summed over nodes."""
-    head = (f"{'W':>2} {'launcher':<8} {'blocks':<8} {'wall s':>8} {'train s':>8} {'collect s':>9} "
-            f"{'rounds':>6} {'round s':>8} {'x s':>7} {'z s':>7} {'wire B/round':>13} {'inproc B/round':>14} "
-            f"{'other cores':>11}  sha256 of -last tensors")
-    lines = [head, "-" * len(head)]
-    for r in runs:
-        lines.append(
-            f"{r['world']:>2} {r['launcher']:<8} {_blocks(r['placement']):<8} {r['wall_s']:>8.1f} "
-            f"{_f(r['train_s'], '.1f'):>8} {_f(r['collect_s'], '.1f'):>9} {r['rounds']:>6} "
-            f"{_f(r['round_s'], '.3f'):>8} {_f(r['x_s'], '.3f'):>7} {_f(r['z_s'], '.3f'):>7} "
-            f"{_f(r['wire_bytes_per_round'], ',.0f') + ('*' if r['wire_simulated'] else ''):>13} "
-            f"{_f(r['in_process_bytes_per_round'], ',.0f'):>14} "
-            f"{_f(r['other_processes_cores'], '.2f'):>11}  {r['sha256']}")
+    lines = format_rows(COLUMNS, runs)
     lines.append("times in s: wall of the command; train = the report's train_sec; collect = on-policy collection; "
                  "round = mean over rounds of the slowest node's x + z + other (x: a rank's block of x-steps, "
                  "z: the consensus); bytes summed over nodes")
@@ -347,7 +350,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     load = r["load"]
     other = load["other_processes_cores"]
     print(f"# load average (1/5/15 min) after: {load_str()}; wall {load['wall_s']:.1f} s on {load['cpu_cores']} "
-          f"cores; other processes used about {_f(other, '.2f')} cores on average")
+          f"cores; other processes used about {num(other, '.2f')} cores on average")
     r["settings"]["out_kept"] = a.out is not None     # the temporary folder (paths in runs) is removed
     if a.json:
         write_json(a.json, r)

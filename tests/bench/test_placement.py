@@ -101,8 +101,10 @@ def test_one_and_two_ranks_give_the_same_result(tiny_assets, tmp_path, capsys):
 
 
 def test_a_failed_run_stops_the_benchmark_with_one_line_and_its_log(tiny_assets, tmp_path, capsys):
+    overrides = _overrides(tiny_assets(4), no_such_key=1)
+    capsys.readouterr()      # building the assets (first use in this process) prints a progress bar
     rc = pl.main(["--worlds", "1", "--config", str(REPO / "configs" / "cpu" / "admm_ring.yaml"),
-                  "--out", str(tmp_path / "runs"), *_overrides(tiny_assets(4), no_such_key=1)])
+                  "--out", str(tmp_path / "runs"), *overrides])
     err = capsys.readouterr().err
     assert rc == 2
     first = err.splitlines()[0]
