@@ -109,8 +109,9 @@ class TrainConfig:
     anchor_pass_band: Optional[str] = key(None, "keep only queries whose pass rate lies strictly inside "
                                           "(LO, HI); 0,1 keeps queries with mixed outcomes",
                                           metavar="LO,HI", group=DATA)
-    recollect_every: int = key(0, "collect again on fresh queries with the current consensus adapter every "
-                               "N rounds (0: collect once)", group=DATA)
+    recollect_every: int = key(0, "collect again on fresh queries every N rounds, each seat under the adapter "
+                               "it deploys now (the consensus z; its own node's state where consensus is "
+                               "inexact or under local_only) (0: collect once)", group=DATA)
     downstream_seed: int = from_component(Collector, "downstream_seed", group=DATA)
     prefix_samples: int = from_component(Collector, "prefix_samples", group=DATA)
     max_new_tokens: int = from_component(ChainConfig, "max_new_tokens", group=DATA)

@@ -185,10 +185,22 @@ class Trainer:
         return f
 
     def recollect(self, collection: int) -> None:
-        """Fresh queries under the current consensus adapter (this rank's z) on every seat."""
-        z = self.engine.z[0].detach().clone()
-        self.shards, self.dev_set = self.shard(self.collect(collection, {s: z for s in self.cfg.adapted_seats()}))
+        """Fresh queries under each seat's current adapter: the one consensus z where consensus
+        is exact, else the state each seat deploys (its node's z_i, or x_i under local_only),
+        gathered from every rank, so every arm collects with what it would deploy."""
+        self.shards, self.dev_set = self.shard(self.collect(collection, self.seat_states()))
         self.encode_nodes()
+
+    def seat_states(self) -> Dict[int, torch.Tensor]:
+        """{seat: the vector that seat deploys now} (the same on every rank)."""
+        cfg = self.cfg
+        seats = cfg.adapted_seats()
+        if self.comm.exact and not cfg.local_only:
+            z = self.engine.z[0].detach().clone()
+            return {s: z for s in seats}
+        mine = [self.engine.x[j] if cfg.local_only else self.engine.z[j] for j in range(len(self.nodes))]
+        every = self.comm.gather_rows(torch.stack([v.detach().float().reshape(-1) for v in mine]))
+        return {s: every[0 if cfg.pooled else i].clone() for i, s in enumerate(seats)}
 
     def generator(self):
         """The rollout engine of ``generation_backend`` (None: transformers' generate)."""

@@ -67,6 +67,47 @@ def test_gloo_ranks_collect_and_train_like_one_process(tmp_path, world):
     assert os.path.isfile(tmp_path / "dist" / "run" / "seat_map.json")
 
 
+class _Recorder(Trainer):
+    """The trainer, recording the seat states each collection ran under."""
+    def collect(self, collection, states):
+        self.seen = getattr(self, "seen", {})
+        self.seen[collection] = {s: v.clone() for s, v in states.items()}
+        return super().collect(collection, states)
+
+
+def _recorded_worker(ctx, cfg):
+    t = _Recorder(cfg, ctx)
+    t.train()
+    return {c: {s: v.tolist() for s, v in st.items()} for c, st in t.seen.items()}
+
+
+@pytest.mark.parametrize("arm", [dict(local_only=True),
+                                 pytest.param(dict(consensus="gossip", topology="ring"), marks=pytest.mark.slow)])
+def test_each_seat_recollects_under_the_state_it_deploys(tmp_path, arm):
+    """Where the seats deploy their own states (local_only: x_i, inexact consensus: z_i), the
+    re-collection runs each seat under its own (not node 0's on every seat), the same on 2 gloo
+    ranks as in one process."""
+    from admm_dist.engine.dist import distributed
+
+    cfg = _cfg(tmp_path / "one", k_outer=2, recollect_every=1, **arm)
+    with distributed("cpu", timeout_s=120) as ctx:
+        t = _Recorder(cfg, ctx)
+        t.train()
+    states = t.seen[1]
+    key = "x" if arm.get("local_only") else "z"
+    # round 1's checkpoint holds the states collection 1 ran under (node i is adapted seat i)
+    ck = os.path.join(cfg.out + ".ckpt", "round-000001")
+    for i, s in enumerate(cfg.adapted_seats()):
+        assert torch.equal(states[s], load_file(os.path.join(ck, f"node-{i}.safetensors"))[key]), (s, key)
+    moved = [s for s in cfg.adapted_seats() if states[s].abs().sum() > 0]
+    assert len({tuple(states[s].tolist()) for s in moved}) == len(moved) >= 2   # seats differ
+    two = launch_cpu(_recorded_worker, 2, _cfg(tmp_path / "two", k_outer=2, recollect_every=1, **arm),
+                     timeout_s=300)
+    for r in (0, 1):
+        assert {s: torch.tensor(v) for s, v in two[r][1].items()}.keys() == states.keys()
+        assert all(torch.equal(torch.tensor(two[r][1][s]), states[s]) for s in states)
+
+
 def test_collection_errors_are_one_line(tmp_path):
     with pytest.raises(UserError, match="sink_tokens > 0"):
         train_local(_cfg(tmp_path, sink_tokens=0))

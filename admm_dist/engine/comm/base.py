@@ -169,7 +169,8 @@ class Communicator(abc.ABC):
     def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """[len(nodes), k] local rows -> [n_nodes, k] for every node, in node order.
 
-        For small telemetry (losses, residual norms, hashes); metered as ``telemetry``.
+        For telemetry (losses, residual norms, hashes) and the seats' states before a
+        re-collection where consensus is inexact; metered as ``telemetry``.
         """
 
     def barrier(self) -> None:
