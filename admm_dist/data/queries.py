@@ -29,23 +29,28 @@ def pool(task: str, *, seed: int, split: Optional[str] = None, path: Optional[st
 
 
 def training_slice(items: Sequence[dict], count: int, *, offset: Optional[int] = None,
-                   collection: int = 0) -> List[dict]:
-    """``count`` rows for the ``collection``-th collection (0 = the first): from the end of
-    the pool, or from row ``offset`` on; each re-collection takes the next fresh slice."""
-    if count < 1:
-        raise UserError(f"anchors={count}: collect on at least one query")
+                   collection: int = 0, first: Optional[int] = None) -> List[dict]:
+    """The rows of the ``collection``-th collection (0 = the first): ``first`` rows for the first
+    (default ``count``), ``count`` for each re-collection, from the end of the pool or from row
+    ``offset`` on; each re-collection takes the next fresh slice."""
+    first = count if first is None else first
+    if min(count, first) < 1:
+        raise UserError(f"anchors={min(count, first)}: collect on at least one query")
     n = len(items)
+    size = first if collection == 0 else count
+    used = 0 if collection == 0 else first + (collection - 1) * count   # rows of the earlier slices
     if offset is not None:
-        lo = offset + collection * count
-        if offset < 0 or lo + count > n:
-            raise UserError(f"anchor_offset {offset} + {collection + 1} x {count} queries exceeds the "
-                            f"pool of {n} rows: lower --anchors, --anchor_offset or --recollect_every")
-        return list(items[lo:lo + count])
-    hi = n - collection * count
-    if hi - count < 1:   # keep at least one row at the front for evaluation
-        raise UserError(f"{collection + 1} x {count} training queries do not fit in the pool of {n} "
-                        f"rows: lower --anchors (or --anchor_pool) or --recollect_every")
-    return list(items[hi - count:hi])
+        lo = offset + used
+        if offset < 0 or lo + size > n:
+            raise UserError(f"anchor_offset {offset} + {used + size} queries ({collection + 1} collections) "
+                            f"exceeds the pool of {n} rows: lower --anchors, --recollect_anchors, "
+                            f"--anchor_offset or --recollect_every")
+        return list(items[lo:lo + size])
+    hi = n - used
+    if hi - size < 1:   # keep at least one row at the front for evaluation
+        raise UserError(f"{used + size} training queries ({collection + 1} collections) do not fit in the pool "
+                        f"of {n} rows: lower --anchors, --recollect_anchors (or --anchor_pool) or --recollect_every")
+    return list(items[hi - size:hi])
 
 
 def evaluation_rows(items: Sequence[dict], n: Optional[int] = None, *, offset: int = 0) -> List[dict]:

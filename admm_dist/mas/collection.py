@@ -313,12 +313,14 @@ def collect_fitset(cfg, runner: ChainRunner, *, collection: int = 0, init_sha: s
                           exchange=exchange,
                           progress=None if rank or cfg.quiet else f"collection {collection}")
     pool = queries.pool(cfg.task, seed=cfg.seed, split=cfg.anchor_split, path=cfg.task_path)
-    want = max(cfg.anchor_pool or 0, cfg.anchors)
-    cands = queries.training_slice(pool, want, offset=cfg.anchor_offset, collection=collection)
+    keep = cfg.collection_anchors(collection)
+    width = lambda n: max(cfg.anchor_pool or 0, n)   # noqa: E731 (candidates looked at for n kept)
+    cands = queries.training_slice(pool, width(cfg.collection_anchors(1)), offset=cfg.anchor_offset,
+                                   collection=collection, first=width(cfg.anchors))
     stats: Dict[str, Any] = {}
-    items = cands[-cfg.anchors:]
-    if cfg.anchor_pool and cfg.anchor_pool > cfg.anchors:
-        items, stats["prescreen"] = collector.prescreen(cands, cfg.anchors)
+    items = cands[-keep:]
+    if cfg.anchor_pool and cfg.anchor_pool > keep:
+        items, stats["prescreen"] = collector.prescreen(cands, keep)
     examples, more = collector.collect(items, pass_band=cfg.pass_band())
     stats.update(more, collection=collection, seconds=round(time.time() - t0, 2))
     return FitSet(examples, "sft", collect_key(cfg, init_sha=init_sha, collection=collection), stats,

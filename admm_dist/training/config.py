@@ -57,7 +57,7 @@ NON_SEMANTIC = frozenset({
 RESUMABLE = ("eta", "grad_clip")
 # Training keys added after checkpoints were first written, with the value that reproduces such
 # a run: the fingerprint leaves them out at that value, so an older checkpoint still resumes.
-TRAINING_LATER = {"compress": "none"}
+TRAINING_LATER = {"compress": "none", "recollect_anchors": None}
 # The later keys a checkpoint's fingerprint leaves out at their old value: the fit-set ones
 # (mas/collection.py; prefix_samples entered the fingerprint together with the key, so always)
 # and the training ones.
@@ -112,6 +112,8 @@ class TrainConfig:
     recollect_every: int = key(0, "collect again on fresh queries every N rounds, each seat under the adapter "
                                "it deploys now (the consensus z; its own node's state where consensus is "
                                "inexact or under local_only) (0: collect once)", group=DATA)
+    recollect_anchors: Optional[int] = key(None, "queries per re-collection (default: anchors, as the first "
+                                           "collection)", metavar="N", group=DATA)
     downstream_seed: int = from_component(Collector, "downstream_seed", group=DATA)
     prefix_samples: int = from_component(Collector, "prefix_samples", group=DATA)
     max_new_tokens: int = from_component(ChainConfig, "max_new_tokens", group=DATA)
@@ -244,6 +246,9 @@ class TrainConfig:
         if self.anchor_pool is not None and self.anchor_pool < self.anchors:
             raise UserError(f"anchor_pool={self.anchor_pool} < anchors={self.anchors}: the pool must "
                             "hold at least the queries kept")
+        if self.recollect_anchors is not None and self.recollect_anchors < 1:
+            raise UserError(f"recollect_anchors={self.recollect_anchors}: re-collect on at least one query "
+                            "(or leave it unset: as many as anchors)")
         self.pass_band()
         self.seat_backbones()
         check_mode(self.consensus, self.topology, self.gossip_steps)
@@ -312,6 +317,10 @@ class TrainConfig:
 
     def adapted_seats(self):
         return adapted_seats(self.adapt_roles, self.n_agents)
+
+    def collection_anchors(self, collection: int) -> int:
+        """The queries kept by collection ``collection`` (0: the first)."""
+        return self.anchors if collection == 0 or self.recollect_anchors is None else self.recollect_anchors
 
     def pass_band(self):
         """``anchor_pass_band`` as (lo, hi), or None."""

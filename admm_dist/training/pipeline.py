@@ -68,6 +68,7 @@ def read_fitset(cfg: TrainConfig, report: TrainReport) -> fs.FitSet:
         raise UserError(f"--fitset_cache {cfg.fitset_cache} was built with different settings "
                         f"(file, requested): {diff}; collect again (remove the file) or match them")
     report.fitset_provenance = "file"
+    report.add_anchor_keys(list(f.anchor_keys))   # re-collections add theirs: evaluation must avoid all
     return f
 
 

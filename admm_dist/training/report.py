@@ -74,6 +74,10 @@ class TrainReport:
         if self.collections is UNSET:
             self.collections = []
         self.collections.append({k: v for k, v in stats.items() if k != "per_group_outcomes"})
+        self.add_anchor_keys(anchor_keys)
+
+    def add_anchor_keys(self, anchor_keys: List[str]) -> None:
+        """Query keys the run trained on (a collection's, or a fit-set file's), added in order."""
         if self.anchor_keys_all is UNSET:
             self.anchor_keys_all = []
         seen = set(self.anchor_keys_all)

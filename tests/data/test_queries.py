@@ -24,6 +24,13 @@ def test_training_slices_come_from_the_end_and_never_repeat():
         queries.training_slice(items, 5, collection=3)     # would leave no evaluation row
     with pytest.raises(ValueError, match="exceeds"):
         queries.training_slice(items, 5, offset=18)
+    # recollect_anchors: a first slice of 5, then slices of 3, still disjoint and towards the front
+    keys = [[x["anchor"] for x in queries.training_slice(items, 3, first=5, collection=c)] for c in range(3)]
+    assert keys == [["15", "16", "17", "18", "19"], ["12", "13", "14"], ["9", "10", "11"]]
+    assert [x["anchor"] for x in queries.training_slice(items, 3, first=5, offset=0, collection=2)] == \
+        ["8", "9", "10"]
+    with pytest.raises(ValueError, match="20 training queries .* do not fit"):
+        queries.training_slice(items, 3, first=5, collection=5)
     front = queries.evaluation_rows(items, 4)
     assert [x["anchor"] for x in front] == ["0", "1", "2", "3"]
     queries.refuse_leaks(front, [x["anchor"] for x in first])   # disjoint: fine

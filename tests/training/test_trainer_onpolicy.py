@@ -48,6 +48,10 @@ def test_recollection_takes_fresh_queries_and_the_cache_is_keyed(tmp_path):
     # a cache built under other collection settings is refused, naming the key
     with pytest.raises(UserError, match="group"):
         train_local(_cfg(tmp_path / "other", fitset_cache=str(cache), group=5))
+    # smaller re-collections: the first collection is the cached one, the second takes 3 fresh queries
+    rep3 = train_local(_cfg(tmp_path / "fewer", recollect_every=1, recollect_anchors=3, fitset_cache=str(cache)))
+    assert [c["queries"] for c in rep3["collections"]] == [3]
+    assert len(rep3["anchor_keys"]) == 9 and set(rep3["anchor_keys"]) >= set(f.anchor_keys)
 
 
 @pytest.mark.parametrize("world", [4, pytest.param(2, marks=pytest.mark.slow)])  # 2: two nodes per rank
