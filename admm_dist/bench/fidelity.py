@@ -20,10 +20,10 @@ What one run does, for every seed of ``--seeds``:
    single-process backend (all nodes in one process on one backbone: the numbers of one
    gloo rank per node, which ``tests/training/test_trainer.py`` checks for every arm):
    ADMM-ring (the config as it is), ADMM-gossip (``consensus=gossip``, deployed per seat),
-   ADMM-decentralized (``consensus=decentralized``, deployed per seat), ADMM-ring-int8 and
-   ADMM-decentralized-int8 (``compress=int8``),
+   ADMM-decentralized (``consensus=decentralized``, deployed per seat),
    Centralized (``pooled`` on one node), ADMM-Local (``local_only``, deployed per seat) and
-   ADMM-NoDual (``no_dual``). ``key=value`` arguments override the config for every arm.
+   ADMM-NoDual (``no_dual``); ADMM-ring-int8 and ADMM-decentralized-int8 (``compress=int8``)
+   when ``--arms`` names them. ``key=value`` arguments override the config for every arm.
 3. **Evaluation** of each arm on the same held-out rows (the front ``--eval_n`` rows of the
    task's evaluation pool under ``--eval_seed``, checked against the arm's training report
    for leakage), greedy and sampled (``--samples`` chains a row at the config's temperature
@@ -68,6 +68,7 @@ from admm_dist.bench.fidelity_run import (
     ARM_NAMES,
     BASE,
     COLLECT,
+    DEFAULT_ARMS,
     BenchError,
     arm_job,
     assemble_seed,
@@ -89,7 +90,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a = p.add_argument
     a("--seeds", default="1,2,3,4,5", help="training seeds, comma-separated")
     a("--config", default=DEFAULT_CONFIG, help="the training config every arm starts from")
-    a("--arms", default=",".join(ARM_NAMES), help=f"subset of {', '.join(ARM_NAMES)}")
+    a("--arms", default=",".join(DEFAULT_ARMS),
+      help=f"arms to run, from {', '.join(ARM_NAMES)} (default: all but the int8 ones)")
     a("--eval_n", type=int, default=400, help="held-out rows")
     a("--eval_seed", type=int, default=42, help="pool order and sampling seed of the evaluation")
     a("--samples", type=int, default=4, help="sampled chains per row (0: greedy only)")
