@@ -152,7 +152,8 @@ class TrainConfig:
     dpo_beta: float = from_component(ObjectiveConfig, "dpo_beta", group=OBJ)
     kl_beta: float = from_component(ObjectiveConfig, "kl_beta", group=OBJ)
     kl_ref: str = key("frozen", "the KL reference: frozen (the backbone, adapters off) or collect (the "
-                      "collection policy: the --init_state adapter, else as frozen)", choices=KL_REFS, group=OBJ)
+                      "policy that collected the examples: the --init_state adapter, else the backbone, for "
+                      "the first collection; each seat's state at a re-collection)", choices=KL_REFS, group=OBJ)
     no_role_balance: bool = key(False, "sample minibatches uniformly instead of balanced over a node's roles",
                                 group=OBJ)
     target_span: str = from_component(ObjectiveConfig, "target_span", group=OBJ)

@@ -114,6 +114,7 @@ class Trainer:
         self.check_basis()
         self.ocfg = cfg.objective_config()
         self.init_vec = None
+        self.ref_vecs: Dict[int, torch.Tensor] = {}   # kl_ref collect after a re-collection: node -> state
         if cfg.init_state:
             self.init_vec, _ = load_vector(cfg.init_state, self.adapter)
         if collecting:
@@ -187,8 +188,13 @@ class Trainer:
     def recollect(self, collection: int) -> None:
         """Fresh queries under each seat's current adapter: the one consensus z where consensus
         is exact, else the state each seat deploys (its node's z_i, or x_i under local_only),
-        gathered from every rank, so every arm collects with what it would deploy."""
-        self.shards, self.dev_set = self.shard(self.collect(collection, self.seat_states()))
+        gathered from every rank, so every arm collects with what it would deploy. Under
+        ``kl_ref collect`` each node's KL reference becomes the state its seat collected with."""
+        states = self.seat_states()
+        self.shards, self.dev_set = self.shard(self.collect(collection, states))
+        if self.cfg.kl_ref == "collect":
+            seats = self.cfg.adapted_seats()
+            self.ref_vecs = {node: states[seats[0] if self.cfg.pooled else seats[node]] for node in self.nodes}
         self.encode_nodes()
 
     def seat_states(self) -> Dict[int, torch.Tensor]:
@@ -248,17 +254,18 @@ class Trainer:
                 raise UserError(f"node {node}: every example became empty after truncation: "
                                 "raise --max_target_tokens")
             pipeline.check_context(cfg, self.model, enc)
-            self.reference(enc)
+            self.reference(enc, self.ref_vecs.get(node, self.init_vec if cfg.kl_ref == "collect" else None))
             st = self.state[node]
             st.encoded = enc
             st.sampler = RoleBalancedSampler(enc, cfg.batch_size, cfg.seed * SAMPLER_SALT + node,
                                              balance=not cfg.no_role_balance)
 
-    def reference(self, enc) -> None:
-        """Reference log-probs, once per example: adapters off, or the warm-start adapter."""
+    def reference(self, enc, vec: Optional[torch.Tensor]) -> None:
+        """Reference log-probs, once per example: under the adapter state ``vec`` (``kl_ref
+        collect``: the policy that collected them), or adapters off (None)."""
         bs = max(1, self.cfg.batch_size)
-        if self.cfg.kl_ref == "collect" and self.init_vec is not None:
-            self.adapter.load_vector(self.init_vec)
+        if vec is not None:
+            self.adapter.load_vector(vec)
             ctx = lambda: contextlib.nullcontext(self.model)  # noqa: E731
         else:
             ctx = lambda: self.adapter.disabled()  # noqa: E731

@@ -112,6 +112,26 @@ def test_each_seat_recollects_under_the_state_it_deploys(tmp_path, arm):
         assert all(torch.equal(torch.tensor(two[r][1][s]), states[s]) for s in states)
 
 
+def test_kl_ref_collect_follows_the_policy_of_each_collection(tmp_path):
+    """kl_ref collect: the first collection's examples take the backbone as reference (no
+    init_state), a re-collection's take the state that collected them (here round 1's z)."""
+    from admm_dist.engine.dist import distributed
+
+    class Refs(Trainer):
+        def reference(self, enc, vec):
+            self.refs = getattr(self, "refs", []) + [None if vec is None else vec.clone()]
+            return super().reference(enc, vec)
+
+    cfg = _cfg(tmp_path, k_outer=2, recollect_every=1, kl_ref="collect")
+    with distributed("cpu", timeout_s=120) as ctx:
+        t = Refs(cfg, ctx)
+        t.train()
+    z1 = load_file(os.path.join(cfg.out + ".ckpt", "round-000001", "node-0.safetensors"))["z"]
+    n = len(t.refs) // 2                           # one per node with examples, per collection
+    assert n >= 2 and all(v is None for v in t.refs[:n])
+    assert all(torch.equal(v, z1) for v in t.refs[n:])
+
+
 def test_collection_errors_are_one_line(tmp_path):
     with pytest.raises(UserError, match="sink_tokens > 0"):
         train_local(_cfg(tmp_path, sink_tokens=0))
