@@ -15,7 +15,7 @@ TINY = ["anchors=12", "group=4", "k_outer=2", "local_steps=2", "gen_chunk=6", "m
 # one arm of each kind (every arm trains through the same code, and tests/training checks each
 # one's numbers against the single-process run): the reference, one deployed per seat with
 # compressed exchange, the pooled one; and an ablation that the override below makes invalid.
-# recollect_every=1 with k_outer=2: a second collection, each arm's own, after round 1
+# recollect_every=1 with k_outer=2: a second collection (6 fresh queries), each arm's own, after round 1
 RUN = ("ADMM-ring", "ADMM-decentralized-int8", "Centralized")
 REFUSED = "ADMM-NoDual"
 
@@ -27,7 +27,7 @@ def bench(tmp_path_factory):
     png = tmp / "b.png"
     argv = ["--seeds", "3", "--eval_n", "12", "--samples", "2", "--boot", "200", "--jobs", "2",
             "--arms", ",".join((*RUN, REFUSED)), "--workdir", str(tmp / "work"), "--json", str(out),
-            "--png", str(png), *TINY, "rho_adapt=true", "recollect_every=1"]
+            "--png", str(png), *TINY, "rho_adapt=true", "recollect_every=1", "recollect_anchors=6"]
     rc = fidelity.main(argv)
     return rc, json.loads(out.read_text()) if out.exists() else None, png, tmp, argv
 
@@ -145,3 +145,18 @@ def test_jobs_run_base_then_every_seeds_collection_then_the_arms():
     args = fidelity.parse_args(["--seeds", "4,5", "--arms", "ADMM-ring,Centralized"])
     assert fidelity.job_order(args) == [BASE, "seed4-collect", "seed5-collect", "seed4-ADMM-ring",
                                         "seed4-Centralized", "seed5-ADMM-ring", "seed5-Centralized"]
+
+
+def test_the_ablations_keep_the_configs_rho_when_the_config_adapts_it(tmp_path):
+    """A config with rho_adapt: the ADMM arms adapt rho, the ablations (no dual to rescale, or no
+    coupling) run at the config's rho instead of being refused."""
+    from admm_dist.bench.fidelity_run import ARMS, base_config
+
+    cfg_file = tmp_path / "adapt.yaml"
+    cfg_file.write_text(open(fidelity.DEFAULT_CONFIG).read() + "\nrho_adapt: true\n")
+    args = fidelity.parse_args(["--seeds", "1", "--config", str(cfg_file), "--workdir", str(tmp_path / "w")])
+    got = {a.name: base_config(args, 1, a) for a in ARMS}
+    assert got["ADMM-ring"].rho_adapt and got["ADMM-gossip"].rho_adapt
+    assert not got["ADMM-NoDual"].rho_adapt and got["ADMM-NoDual"].no_dual
+    assert not got["ADMM-Local"].rho_adapt and got["ADMM-Local"].local_only
+    assert got["ADMM-NoDual"].rho == got["ADMM-ring"].rho
