@@ -11,6 +11,8 @@ from admm_dist.bench import fidelity
 from admm_dist.bench.fidelity_run import ARM_NAMES, BASE, REFERENCE
 from admm_dist.bench.fidelity_stats import crossed_bootstrap, format_table
 
+from conftest import REPO
+
 TINY = ["anchors=12", "group=4", "k_outer=2", "local_steps=2", "gen_chunk=6", "max_new_tokens=12"]
 # one arm of each kind (every arm trains through the same code, and tests/training checks each
 # one's numbers against the single-process run): the reference, one deployed per seat with
@@ -153,7 +155,7 @@ def test_the_ablations_keep_the_configs_rho_when_the_config_adapts_it(tmp_path):
     from admm_dist.bench.fidelity_run import ARMS, base_config
 
     cfg_file = tmp_path / "adapt.yaml"
-    cfg_file.write_text(open(fidelity.DEFAULT_CONFIG).read() + "\nrho_adapt: true\n")
+    cfg_file.write_text((REPO / fidelity.DEFAULT_CONFIG).read_text() + "\nrho_adapt: true\n")
     args = fidelity.parse_args(["--seeds", "1", "--config", str(cfg_file), "--workdir", str(tmp_path / "w")])
     got = {a.name: base_config(args, 1, a) for a in ARMS}
     assert got["ADMM-ring"].rho_adapt and got["ADMM-gossip"].rho_adapt
