@@ -79,6 +79,7 @@ from admm_dist.bench.fidelity_run import (
     seed_jobs,
 )
 from admm_dist.bench.fidelity_stats import format_table, summarize
+from admm_dist.core.errors import UserError
 
 PROG = "python -m admm_dist.bench.fidelity"
 DEFAULT_CONFIG = "configs/cpu/standin_onpolicy.yaml"
@@ -248,7 +249,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 figures.save(figures.learning_curve(summary, title), path, title, source)
                 print(f"wrote {path}")
         return 0
-    except (BenchError, subprocess.TimeoutExpired) as e:
+    except (UserError, subprocess.TimeoutExpired) as e:   # BenchError, or a training setting in a job
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
 

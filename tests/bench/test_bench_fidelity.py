@@ -162,3 +162,19 @@ def test_the_ablations_keep_the_configs_rho_when_the_config_adapts_it(tmp_path):
     assert not got["ADMM-NoDual"].rho_adapt and got["ADMM-NoDual"].no_dual
     assert not got["ADMM-Local"].rho_adapt and got["ADMM-Local"].local_only
     assert got["ADMM-NoDual"].rho == got["ADMM-ring"].rho
+
+
+def test_a_seeds_fit_set_of_other_settings_stops_the_run_in_one_line(tmp_path, capsys):
+    """A job's own refusal (here the seed's fitset_cache, built under other settings) reaches the
+    user as one line naming the job and the fix, not a worker's traceback."""
+    from admm_dist.testing.synthetic import write_fitset
+
+    (tmp_path / "w" / "seed3").mkdir(parents=True)
+    write_fitset(str(tmp_path / "w" / "seed3" / "fitset.jsonl"), settings={"task": "synthetic", "n_agents": 4},
+                 per_seat=2)
+    rc = fidelity.main(["--seeds", "3", "--arms", "ADMM-ring", "--eval_n", "4", "--samples", "0",
+                        "--workdir", str(tmp_path / "w"), *TINY])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "job seed3-collect failed (exit 2)" in err[0] and "was built with different settings" in err[0]
+    assert "Traceback" not in err[0]
