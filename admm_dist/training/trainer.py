@@ -10,8 +10,8 @@ u-steps through the communicator.
 
 Wiring only: the data pipeline is :mod:`~admm_dist.training.pipeline`, the outputs
 :mod:`~admm_dist.training.outputs`, checkpoints :mod:`~admm_dist.training.resume`, the
-report :mod:`~admm_dist.training.report`, the trackers :mod:`~admm_dist.training.tracking`,
-the progress bars :mod:`admm_dist.core.progress` (rank 0, not ``quiet``, on a terminal).
+report :mod:`~admm_dist.training.report`, the trackers :mod:`~admm_dist.training.tracking`
+and the progress bars :mod:`admm_dist.core.progress` (rank 0, not ``quiet``, on a terminal).
 """
 from __future__ import annotations
 
@@ -186,27 +186,13 @@ class Trainer:
         return f
 
     def recollect(self, collection: int) -> None:
-        """Fresh queries under each seat's current adapter: the one consensus z where consensus
-        is exact, else the state each seat deploys (its node's z_i, or x_i under local_only),
-        gathered from every rank, so every arm collects with what it would deploy. Under
-        ``kl_ref collect`` each node's KL reference becomes the state its seat collected with."""
-        states = self.seat_states()
+        """Fresh queries, each seat under the state it deploys (:func:`pipeline.deployed_states`);
+        under ``kl_ref collect`` that state becomes its node's KL reference."""
+        states = pipeline.deployed_states(self.cfg, self.engine, self.comm, len(self.nodes))
         self.shards, self.dev_set = self.shard(self.collect(collection, states))
         if self.cfg.kl_ref == "collect":
-            seats = self.cfg.adapted_seats()
-            self.ref_vecs = {node: states[seats[0] if self.cfg.pooled else seats[node]] for node in self.nodes}
+            self.ref_vecs = pipeline.kl_references(self.cfg, states, self.nodes)
         self.encode_nodes()
-
-    def seat_states(self) -> Dict[int, torch.Tensor]:
-        """{seat: the vector that seat deploys now} (the same on every rank)."""
-        cfg = self.cfg
-        seats = cfg.adapted_seats()
-        if self.comm.exact and not cfg.local_only:
-            z = self.engine.z[0].detach().clone()
-            return {s: z for s in seats}
-        mine = [self.engine.x[j] if cfg.local_only else self.engine.z[j] for j in range(len(self.nodes))]
-        every = self.comm.gather_rows(torch.stack([v.detach().float().reshape(-1) for v in mine]))
-        return {s: every[0 if cfg.pooled else i].clone() for i, s in enumerate(seats)}
 
     def generator(self):
         """The rollout engine of ``generation_backend`` (None: transformers' generate)."""
@@ -255,21 +241,17 @@ class Trainer:
                                 "raise --max_target_tokens")
             pipeline.check_context(cfg, self.model, enc)
             self.reference(enc, self.ref_vecs.get(node, self.init_vec if cfg.kl_ref == "collect" else None))
-            st = self.state[node]
-            st.encoded = enc
-            st.sampler = RoleBalancedSampler(enc, cfg.batch_size, cfg.seed * SAMPLER_SALT + node,
-                                             balance=not cfg.no_role_balance)
+            self.state[node].encoded = enc
+            self.state[node].sampler = RoleBalancedSampler(enc, cfg.batch_size, cfg.seed * SAMPLER_SALT + node,
+                                                           balance=not cfg.no_role_balance)
 
     def reference(self, enc, vec: Optional[torch.Tensor]) -> None:
         """Reference log-probs, once per example: under the adapter state ``vec`` (``kl_ref
         collect``: the policy that collected them), or adapters off (None)."""
-        bs = max(1, self.cfg.batch_size)
         if vec is not None:
             self.adapter.load_vector(vec)
-            ctx = lambda: contextlib.nullcontext(self.model)  # noqa: E731
-        else:
-            ctx = lambda: self.adapter.disabled()  # noqa: E731
-        obj.precompute_reference(self.model, enc, batch_size=bs, ref_context=ctx,
+        ctx = (lambda: contextlib.nullcontext(self.model)) if vec is not None else self.adapter.disabled
+        obj.precompute_reference(self.model, enc, batch_size=max(1, self.cfg.batch_size), ref_context=ctx,
                                  pad_id=self.tokenizer.pad_token_id, show=self.show)
 
     # ------------------------------------------------------------------ x-step
