@@ -75,6 +75,7 @@ from admm_dist.bench.fidelity_run import (
     base_config,
     job_key,
     parse_job,
+    refused_job,
     run_job,
     seed_jobs,
 )
@@ -139,6 +140,9 @@ def curve_png(png: str) -> str:
 
 # --------------------------------------------------------------------------- the whole run
 def _run_worker(args, job: str, argv: Sequence[str]) -> dict:
+    refused = refused_job(args, job)
+    if refused is not None:
+        return refused
     path = os.path.join(args.workdir, f"{job}.json")
     if args.reuse and os.path.isfile(path):
         with open(path) as fh:

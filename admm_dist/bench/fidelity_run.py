@@ -2,7 +2,8 @@
 
 It owns the arms (:data:`ARMS`: name, config overrides, how each deploys), the benchmark's
 error (:class:`BenchError`), each arm's config (:func:`base_config`) and what a job's result
-depends on (:func:`job_key`, compared by ``--reuse``), and one job (:func:`run_job`): the
+depends on (:func:`job_key`, compared by ``--reuse``), an arm its settings refuse
+(:func:`refused_job`, decided without a worker), and one job (:func:`run_job`): the
 base's evaluation, or for one seed every arm trained (:func:`train_arm`), evaluated greedy and
 sampled on the held-out rows (:func:`score_rows`) and its deployed vectors' distances to
 Centralized (:func:`deployed_vectors`).
@@ -251,11 +252,24 @@ def run_job(args, job: str) -> Dict[str, object]:
     return out
 
 
-def run_arm(args, seed: int, arm: Arm) -> Dict[str, object]:
+def refused_job(args, job: str) -> Optional[Dict[str, object]]:
+    """An arm's job whose settings its arm refuses (e.g. rho_adapt on an ablation), as that job's
+    result, decided without starting a worker; None for any job that must run."""
+    if job == BASE:
+        return None
+    seed, name = parse_job(job)
+    if name == COLLECT:
+        return None
     try:
-        cfg = base_config(args, seed, arm)
-    except BenchError as e:   # e.g. rho_adapt on an ablation: that arm is refused, not the run
-        return {"refused": str(e)}
+        base_config(args, seed, next(a for a in ARMS if a.name == name))
+    except BenchError as e:   # that arm is refused, not the run
+        return {"job": job, "key": job_key(args, job), "seed": seed, "arm": name,
+                "result": {"refused": str(e)}, "seconds": 0.0}
+    return None
+
+
+def run_arm(args, seed: int, arm: Arm) -> Dict[str, object]:
+    cfg = base_config(args, seed, arm)
     res = train_arm(cfg)
     if res["refused"] is None:
         report = os.path.join(cfg.report_dir, f"{os.path.basename(cfg.out)}-train.json")
