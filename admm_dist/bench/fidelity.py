@@ -93,7 +93,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a("--seeds", default="1,2,3,4,5", help="training seeds, comma-separated")
     a("--config", default=DEFAULT_CONFIG, help="the training config every arm starts from")
     a("--arms", default=",".join(DEFAULT_ARMS),
-      help=f"arms to run, from {', '.join(ARM_NAMES)} (default: all but the int8 ones)")
+      help=f"arms to run, from {', '.join(ARM_NAMES)} (default: {', '.join(DEFAULT_ARMS)})")
     a("--eval_n", type=int, default=400, help="held-out rows")
     a("--eval_seed", type=int, default=42, help="pool order and sampling seed of the evaluation")
     a("--samples", type=int, default=4, help="sampled chains per row (0: greedy only)")
