@@ -5,7 +5,7 @@
 #   3. accuracy of the chain with the trained consensus adapter on every seat,
 # then what the multi-seed learning benchmark (docs/benchmarks.md) measured for this default:
 # one run is one seed, and the benchmark's mean gain with its 95% interval is the claim.
-# About two minutes on 2 cores. NPROC and CONFIG may be overridden from the environment, and
+# About three minutes on 2 cores. NPROC and CONFIG may be overridden from the environment, and
 # arguments go to the training command as overrides, e.g. report_to=tensorboard (docs/tracking.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
