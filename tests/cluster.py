@@ -483,9 +483,10 @@ def tiny_assets(folder: Path, n_agents: int) -> Dict[str, str]:
     return _ASSETS[n_agents]
 
 
-# the elastic tests' run (tests/launch/test_elastic.py, test_multinode.py; N = 4, 2 hosts x 2
-# ranks): local_steps=30 gives rounds of about 0.5 s on 2 cores, so that a host lost after round
-# 4 and (test_elastic) brought back leave rounds to go; both compare with one reference
+# the elastic tests' run (tests/launch/test_elastic.py; N = 4, 2 hosts x 2 ranks):
+# local_steps=30 gives rounds of about 0.5 s on 2 cores, so that a host lost after round 4 and
+# brought back leaves rounds to go (test_multinode.py's SLURM job only loses a node, and takes
+# a cheaper local_steps)
 ELASTIC_ARGS = dict(k_outer=24, local_steps=30, keep_checkpoints=3, quiet="false")
 
 _REFERENCES: Dict[tuple, Path] = {}

@@ -52,6 +52,7 @@ ARMS = (
 )
 ARM_NAMES = tuple(a.name for a in ARMS)
 DEFAULT_ARMS = tuple(a.name for a in ARMS if a.default)
+ARM_BY_NAME = {a.name: a for a in ARMS}
 BASE = "base"
 REFERENCE = "ADMM-ring"
 COLLECTION_KEYS = ("kept_queries", "examples", "mean_pass_rate", "mixed_group_rate")
@@ -241,7 +242,7 @@ def run_job(args, job: str) -> Dict[str, object]:
             out["collection"] = first_collection(cfg)
         else:
             out["arm"] = name
-            out["result"] = run_arm(args, seed, next(a for a in ARMS if a.name == name))
+            out["result"] = run_arm(args, seed, ARM_BY_NAME[name])
     out["seconds"] = round(time.time() - t0, 2)
     return out
 
@@ -255,7 +256,7 @@ def refused_job(args, job: str) -> Optional[Dict[str, object]]:
     if name == COLLECT:
         return None
     try:
-        base_config(args, seed, next(a for a in ARMS if a.name == name))
+        base_config(args, seed, ARM_BY_NAME[name])
     except BenchError as e:   # that arm is refused, not the run
         return {"job": job, "key": job_key(args, job), "seed": seed, "arm": name,
                 "result": {"refused": str(e)}, "seconds": 0.0}
