@@ -4,7 +4,7 @@ Run::
 
     python -m admm_dist.bench.fidelity --seeds 1,2,3,4,5 [--config configs/cpu/standin_onpolicy.yaml]
         [--json results/bench_fidelity.json] [--png results/bench_fidelity.png]
-        [--eval_n 400] [--samples 4] [--jobs 2] [--arms ADMM-ring,Centralized] [key=value ...]
+        [--eval_n 400] [--sampled_n 400] [--samples 4] [--jobs 2] [--arms ADMM-ring,Centralized] [key=value ...]
 
 What one run does, for every seed of ``--seeds``:
 
@@ -24,11 +24,13 @@ What one run does, for every seed of ``--seeds``:
    Centralized (``pooled`` on one node), ADMM-Local (``local_only``, deployed per seat) and
    ADMM-NoDual (``no_dual``); ADMM-ring-int8 and ADMM-decentralized-int8 (``compress=int8``)
    when ``--arms`` names them. ``key=value`` arguments override the config for every arm.
-3. **Evaluation** of each arm on the same held-out rows (the front ``--eval_n`` rows of the
-   task's evaluation pool under ``--eval_seed``, checked against the arm's training report
-   for leakage), greedy and sampled (``--samples`` chains a row at the config's temperature
-   and top_p, with the same sampling seed for every arm). The base (no adapter) is
-   evaluated once: it does not depend on the training seed.
+3. **Evaluation** of each arm on the same held-out rows (the front rows of the task's
+   evaluation pool under ``--eval_seed``, checked against the arm's training report for
+   leakage): greedy on the front ``--eval_n``, sampled on the front ``--sampled_n``
+   (``--samples`` chains a row at the config's temperature and top_p, with the same sampling
+   seed for every arm). The learning curve is read greedy on the ``--sampled_n`` front rows
+   too, so each of its points costs an evaluation of those rows, not of all ``--eval_n``. The
+   base (no adapter) is evaluated once: it does not depend on the training seed.
 
 Statistics. For an arm, d[s, r] is its accuracy on row r after training with seed s minus
 the base's accuracy on row r (rows scored 0/1 greedy, or the share of right chains when
@@ -84,6 +86,7 @@ from admm_dist.core.errors import UserError
 
 PROG = "python -m admm_dist.bench.fidelity"
 DEFAULT_CONFIG = "configs/cpu/standin_onpolicy.yaml"
+SAMPLED_N = 400   # sampled chains cost --samples greedy ones a row: more greedy rows cost less
 
 
 # --------------------------------------------------------------------------- settings
@@ -94,7 +97,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a("--config", default=DEFAULT_CONFIG, help="the training config every arm starts from")
     a("--arms", default=",".join(DEFAULT_ARMS),
       help=f"arms to run, from {', '.join(ARM_NAMES)} (default: {', '.join(DEFAULT_ARMS)})")
-    a("--eval_n", type=int, default=400, help="held-out rows")
+    a("--eval_n", type=int, default=400, help="held-out rows scored greedy")
+    a("--sampled_n", type=int, default=None,
+      help=f"the front held-out rows scored sampled and along the learning curve "
+           f"(default {SAMPLED_N}, or --eval_n when that is fewer)")
     a("--eval_seed", type=int, default=42, help="pool order and sampling seed of the evaluation")
     a("--samples", type=int, default=4, help="sampled chains per row (0: greedy only)")
     a("--boot", type=int, default=2000, help="bootstrap resamples for the intervals")
@@ -118,9 +124,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     bad = [a for a in args.arm_list if a not in ARM_NAMES]
     if bad or not args.arm_list:
         raise BenchError(f"--arms: unknown arm(s) {bad}: choose from {', '.join(ARM_NAMES)}")
-    for name in ("eval_n", "boot", "jobs", "threads"):
+    if args.sampled_n is None:
+        args.sampled_n = min(SAMPLED_N, args.eval_n)
+    for name in ("eval_n", "sampled_n", "boot", "jobs", "threads"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name} {getattr(args, name)}: it must be >= 1")
+    if args.sampled_n > args.eval_n:
+        raise BenchError(f"--sampled_n {args.sampled_n} > --eval_n {args.eval_n}: the sampled rows are the "
+                         f"front of the greedy ones; lower --sampled_n")
     if args.samples < 0:
         raise BenchError(f"--samples {args.samples}: use 0 (greedy only) or more chains a row")
     bad = [o for o in args.overrides if "=" not in o]
@@ -233,7 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  for s in args.seed_list]
         summary = summarize(args, results[BASE], seeds)
         summary.update(config=args.config, overrides=args.overrides, eval_n=args.eval_n,
-                       eval_seed=args.eval_seed, samples=args.samples, boot=args.boot,
+                       sampled_n=args.sampled_n, eval_seed=args.eval_seed, samples=args.samples, boot=args.boot,
                        jobs=args.jobs, threads=args.threads, seconds=round(time.time() - t0, 1),
                        train_config=args.train_config.as_dict())
         print(format_table(summary, args))
@@ -249,7 +260,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"wrote {args.png}")
             if summary.get("curves"):
                 path = curve_png(args.png)
-                title = f"learning curve: {len(args.seed_list)} seed(s), {args.eval_n} eval rows"
+                title = f"learning curve: {len(args.seed_list)} seed(s), {args.sampled_n} eval rows"
                 figures.save(figures.learning_curve(summary, title), path, title, source)
                 print(f"wrote {path}")
         return 0

@@ -93,8 +93,9 @@ def curve_rounds(cfg) -> List[int]:
 
 
 def score_curve(args, cfg, final_rows: List[float], report: str) -> Dict[str, object]:
-    """Greedy accuracy per row after each collection's rounds (a consensus arm: z of that round's
-    checkpoint on every seat, saved with the ``-last`` file's adapter identity)."""
+    """Greedy accuracy per row of the front ``--sampled_n`` rows after each collection's rounds (a
+    consensus arm: z of that round's checkpoint on every seat, saved with the ``-last`` file's
+    adapter identity; the last point is the front of ``final_rows``)."""
     from safetensors.torch import load_file
 
     from admm_dist.model.vectors import load_vector, save_vector
@@ -107,8 +108,9 @@ def score_curve(args, cfg, final_rows: List[float], report: str) -> Dict[str, ob
         z = load_file(os.path.join(round_dir(ckpt_root(cfg.out), k), "node-0.safetensors"))["z"]
         path = f"{cfg.out}-round{k}.safetensors"
         save_vector(path, z, dict(meta, round=k))
-        rows.append(score_rows(args, cfg, ["--adapter", path, "--train_report", report], sampled=False)["greedy"])
-    return {"rounds": rounds, "greedy": rows + [final_rows]}
+        rows.append(score_rows(args, cfg, ["--adapter", path, "--train_report", report], sampled=False,
+                               n=args.sampled_n)["greedy"])
+    return {"rounds": rounds, "greedy": rows + [final_rows[:args.sampled_n]]}
 
 
 COLLECT = "collect"     # the job that makes a seed's shared first collection
@@ -135,15 +137,15 @@ def job_key(args, job: str) -> str:
     cfg = args.train_config
     d = {"job": job, "config": {k: v for k, v in cfg.as_dict().items()
                                 if k not in ("seed", "fitset_cache", "out", "report_dir", "quiet")},
-         "eval_n": args.eval_n, "eval_seed": args.eval_seed,
-         "samples": args.samples, "threads": args.threads, "version": 2}
+         "eval_n": args.eval_n, "sampled_n": args.sampled_n, "eval_seed": args.eval_seed,
+         "samples": args.samples, "threads": args.threads, "version": 3}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------- one job
-def eval_argv(args, cfg, *, sampled: bool) -> List[str]:
+def eval_argv(args, cfg, *, sampled: bool, n: int) -> List[str]:
     argv = ["--task", cfg.task, "--model_name", cfg.model_name, "--seed", str(args.eval_seed),
-            "--n", str(args.eval_n), "--n_agents", str(cfg.n_agents), "--prompt", cfg.prompt,
+            "--n", str(n), "--n_agents", str(cfg.n_agents), "--prompt", cfg.prompt,
             "--max_new_tokens", str(cfg.max_new_tokens), "--batch_size", str(max(cfg.gen_batch_size, 64)),
             "--adapt_roles", cfg.adapt_roles, "--device", "cpu"]
     if cfg.task_path:
@@ -160,15 +162,17 @@ def eval_argv(args, cfg, *, sampled: bool) -> List[str]:
     return argv
 
 
-def score_rows(args, cfg, deploy_argv: List[str], *, sampled: bool = True) -> Dict[str, List[float]]:
-    """Per-row accuracy, greedy and (with --samples, unless ``sampled`` is False) sampled: the
-    share of right chains."""
+def score_rows(args, cfg, deploy_argv: List[str], *, sampled: bool = True,
+               n: Optional[int] = None) -> Dict[str, List[float]]:
+    """Per-row accuracy, greedy on the front ``n`` rows (default ``--eval_n``) and (with --samples,
+    unless ``sampled`` is False) sampled on the front ``--sampled_n``: the share of right chains."""
     from admm_dist.cli.evaluate import build_parser
     from admm_dist.mas import evaluation as evaluate
 
     out = {}
     for mode in ("greedy", "sampled") if args.samples and sampled else ("greedy",):
-        ev = build_parser().parse_args(eval_argv(args, cfg, sampled=mode == "sampled") + deploy_argv)
+        rows = args.sampled_n if mode == "sampled" else (n or args.eval_n)
+        ev = build_parser().parse_args(eval_argv(args, cfg, sampled=mode == "sampled", n=rows) + deploy_argv)
         _, chains, outcome = evaluate.run(ev)
         per = 1 if mode == "greedy" else args.samples
         right = [float(bool(o["correct"])) for o in outcome]

@@ -113,8 +113,8 @@ def _curve(args, base: dict, per: List[dict]) -> Dict[str, object]:
     crossed-bootstrap interval."""
     if not all(p.get("curve") for p in per):
         return {}
-    b = base["rows"]["greedy"]
     rounds = per[0]["curve"]["rounds"]
+    b = base["rows"]["greedy"][:len(per[0]["curve"]["greedy"][0])]   # the curve reads the front rows
     points = []
     for i, k in enumerate(rounds):
         rows = [p["curve"]["greedy"][i] for p in per]
@@ -123,7 +123,7 @@ def _curve(args, base: dict, per: List[dict]) -> Dict[str, object]:
         points.append({"round": k, "collections": i + 1, "accuracy": acc, "mean": sum(acc) / len(acc),
                        "gain": sum(sum(r) / len(r) for r in d) / len(d),
                        "gain_ci95": list(crossed_bootstrap(d, args.boot, seed=2 + i))})
-    return {"base": sum(b) / len(b), "points": points}
+    return {"base": sum(b) / len(b), "rows": len(b), "points": points}
 
 
 def format_table(summary: Dict[str, object], args) -> str:
@@ -131,7 +131,8 @@ def format_table(summary: Dict[str, object], args) -> str:
     seeds = summary["seeds"]
     for mode, table in summary["modes"].items():
         how = "greedy" if mode == "greedy" else f"sampled, {args.samples} chains a row"
-        lines.append(f"\n{mode} accuracy on {args.eval_n} held-out rows ({how}); gain = arm - base, "
+        n = args.eval_n if mode == "greedy" else args.sampled_n
+        lines.append(f"\n{mode} accuracy on {n} held-out rows ({how}); gain = arm - base, "
                      f"95% CI over seeds and rows")
         head = f"{'arm':<13}" + "".join(f"{'s' + str(s):>7}" for s in seeds) + \
             f"{'mean':>8}{'gain':>8}{'95% CI':>18}{'wins':>6}{'vs ring':>9}{'95% CI':>18}"
@@ -163,7 +164,9 @@ def _curve_lines(summary: Dict[str, object]) -> List[str]:
     if not curves:
         return []
     most = max(len(c["points"]) for c in curves.values())
-    lines = ["\ngreedy gain over the base after each collection's rounds (mean over seeds, 95% CI over "
+    n = next(iter(curves.values())).get("rows")
+    on = f" on the front {n} rows" if n else ""
+    lines = [f"\ngreedy gain over the base after each collection's rounds{on} (mean over seeds, 95% CI over "
              "seeds and rows)", f"{'arm':<13}" + "".join(f"{f'{c + 1} coll.':>24}" for c in range(most))]
     for name, c in curves.items():
         cells = []

@@ -27,7 +27,7 @@ def bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fidelity")
     out = tmp / "b.json"
     png = tmp / "b.png"
-    argv = ["--seeds", "3", "--eval_n", "12", "--samples", "2", "--boot", "200", "--jobs", "2",
+    argv = ["--seeds", "3", "--eval_n", "12", "--sampled_n", "8", "--samples", "2", "--boot", "200", "--jobs", "2",
             "--arms", ",".join((*RUN, REFUSED)), "--workdir", str(tmp / "work"), "--json", str(out),
             "--png", str(png), *TINY, "rho_adapt=true", "recollect_every=1", "recollect_anchors=6"]
     rc = fidelity.main(argv)
@@ -35,7 +35,7 @@ def bench(tmp_path_factory):
 
 
 def test_every_arm_asked_for_runs_and_writes_json_and_png(bench, capsys):
-    rc, summary, png, _, _ = bench
+    rc, summary, png, tmp, _ = bench
     assert rc == 0 and summary is not None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(summary["modes"]) == {"greedy", "sampled"}
@@ -61,14 +61,21 @@ def test_every_arm_asked_for_runs_and_writes_json_and_png(bench, capsys):
     first = {summary["arms"][name]["pass_rates"][0][0] for name in RUN}
     assert len(first) == 1                       # every arm started from the same collection
     assert summary["collection"][0]["mean_pass_rate"] in first   # the seed's shared one, not an arm's last
+    # greedy on the 12 front rows, sampled (2 chains a row) and the curve on the front 8 of them
+    work = tmp / "work"
+    base_rows = json.loads((work / "base.json").read_text())["rows"]
+    assert len(base_rows["greedy"]) == 12 and len(base_rows["sampled"]) == 8
+    assert base_rows["sampled_anchors"] == base_rows["greedy_anchors"][:8]
+    assert summary["eval_n"] == 12 and summary["sampled_n"] == 8
     # the learning curve: each consensus arm's z after round 1 (one collection) and round 2 (two)
     curves = summary["curves"]
     assert set(curves) == {"ADMM-ring", "Centralized"}         # decentralized deploys per seat
     for name, c in curves.items():
         assert [p["round"] for p in c["points"]] == [1, 2] and [p["collections"] for p in c["points"]] == [1, 2]
-        assert c["base"] == summary["modes"]["greedy"][BASE]["mean"]
+        assert c["rows"] == 8 and c["base"] == pytest.approx(sum(base_rows["greedy"][:8]) / 8)
+        final = json.loads((work / f"seed3-{name}.json").read_text())["result"]["rows"]["greedy"]
         last = c["points"][-1]
-        assert last["accuracy"] == summary["modes"]["greedy"][name]["accuracy"]   # the -last adapter
+        assert last["accuracy"] == [pytest.approx(sum(final[:8]) / 8)]   # the -last adapter, front rows
         for p in c["points"]:
             assert p["gain"] == pytest.approx(p["mean"] - c["base"])
             assert p["gain_ci95"][0] <= p["gain"] + 1e-12 <= p["gain_ci95"][1] + 2e-12
@@ -82,11 +89,12 @@ def test_table_lists_every_arm(bench, capsys):
     _, summary, _, _, _ = bench
 
     class A:
-        samples, eval_n, arm_list = 2, 12, [*RUN, REFUSED]
+        samples, eval_n, sampled_n, arm_list = 2, 12, 8, [*RUN, REFUSED]
     text = format_table(summary, A)
     for name in (BASE, *RUN, REFUSED):
         assert name in text
-    assert "greedy accuracy on 12 held-out rows" in text
+    assert "greedy accuracy on 12 held-out rows" in text and "sampled accuracy on 8 held-out rows" in text
+    assert "after each collection's rounds on the front 8 rows" in text
     rates = text.split("collections' pass rates", 1)[1].splitlines()
     assert rates[1].split() == ["arm", "c0", "c1"] and any(r.startswith("ADMM-ring ") for r in rates)
     curve = text.split("after each collection's rounds", 1)[1].splitlines()
@@ -122,6 +130,7 @@ def test_crossed_bootstrap_covers_the_mean_and_narrows_with_rows():
     (["--seeds", "1,1"], "each once"),
     (["--arms", "ADMM-ring,Nope"], "unknown arm"),
     (["--eval_n", "0"], "--eval_n"),
+    (["--eval_n", "10", "--sampled_n", "20"], "--sampled_n"),
     (["eta"], "key=value"),
     (["no_such_key=1"], "no_such_key"),
     (["--config", "configs/nope.yaml"], "does not exist"),
