@@ -18,6 +18,7 @@ the file. The package is located without importing it (its ``__init__`` imports 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -95,8 +96,12 @@ def build(name: str, out: str, *, log=print) -> str:
     folder, fname = os.path.split(path)
     log(f"[pretrained] reading {path} (dequantizing to fp32)")
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    # each from_pretrained with gguf_file parses the whole file (about 9 s for SmolLM2 on one
+    # core): the config is read once and handed to the model's load, which then parses it only
+    # for the weights
     config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, config=copy.deepcopy(config),
+                                                     dtype=torch.float32)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.float32

@@ -37,10 +37,6 @@ from procs import kill_at_once
 
 N = 4        # seats: 2 nodes x 2 ranks
 K = 20
-# the elastic job: node b is lost after round 4 and not brought back, so rounds of a third of
-# test_elastic.py's (local_steps 10, about 0.2 s on 2 cores) still leave 20 to go; its reference
-# (an uninterrupted run of the same config) costs a third as much
-ELASTIC = dict(ELASTIC_ARGS, local_steps=10)
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
@@ -116,14 +112,14 @@ def test_elastic_job_goes_on_on_one_node_when_the_other_is_lost(two_nodes, asset
     t0 = time.monotonic()
     cluster, net, names = two_nodes
     sub = submit_dir(tmp_path)
-    k = ELASTIC["k_outer"]
+    k = ELASTIC_ARGS["k_outer"]
     conf = "join_timeout=120,last_call_timeout=3,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
     env = dict(NPROC_PER_NODE="2", VENV=sys.prefix, GLOO_SOCKET_IFNAME=net.ifname[0], OMP_NUM_THREADS="1",
                PYTHONPATH=str(REPO), MIN_NODES="1", MAX_RESTARTS="3", RDZV_CONF=conf, PYTHONUNBUFFERED="1")
-    extra = ELASTIC
-    # the reference first, on this host uninterrupted (the job's rounds must not race it)
-    ref = reference(assets, sub / "ref", **extra)
-    job = cluster.sbatch(SCRIPT, ["admm_dist.train"] + train_args(assets, sub / "cut", **extra),
+    # the reference first, on this host uninterrupted (the job's rounds must not race it); the
+    # same run as test_elastic.py's, shared when both tests run in one process
+    ref = reference(assets, sub / "ref", **ELASTIC_ARGS)
+    job = cluster.sbatch(SCRIPT, ["admm_dist.train"] + train_args(assets, sub / "cut", **ELASTIC_ARGS),
                          options=["--nodes=2", "--no-kill"], cwd=str(sub), env=env)
 
     def rounds():
