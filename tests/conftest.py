@@ -16,6 +16,30 @@ torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The files that take longest (in the default suite or in the slow one; .ci/run's durations,
+# 2026-12-04), collected first, longest first: pytest-xdist hands a worker one file at a time in
+# collection order (--dist loadfile), so a long file left to the end keeps one worker busy while
+# the other has nothing left to do. Every other file keeps its place after them.
+LONGEST_FIRST = (
+    "model/test_smollm2.py", "launch/test_multinode.py", "launch/test_slurm.py",
+    "engine/test_preemption.py", "training/test_trainer_placement.py", "training/test_trainer_onpolicy.py",
+    "training/test_trainer.py", "bench/test_kill_resume.py", "launch/test_elastic.py",
+    "bench/test_bench_fidelity.py", "launch/test_cpu_default_tracked.py", "bench/test_gpu_check.py",
+    "mas/test_collection.py", "cli/test_interrupt.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    place = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    tests = REPO / "tests"
+
+    def rank(item):
+        try:
+            return place.get(Path(str(item.fspath)).resolve().relative_to(tests).as_posix(), len(place))
+        except ValueError:   # a test outside tests/ (a path given on the command line)
+            return len(place)
+    items.sort(key=rank)     # stable: the rest keep pytest's order
+
 
 def train_local(cfg):
     """Train ``cfg`` with every node in this process (the single-process backend); the report."""

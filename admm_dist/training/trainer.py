@@ -41,7 +41,7 @@ from admm_dist.model.loading import load_model
 from admm_dist.model.objectives import ObjectiveConfig
 from admm_dist.model.vectors import check_same_basis, hash_to_int64_row, int64_row_to_hash, load_vector
 from admm_dist.training import checkpoint as ckpt
-from admm_dist.training import pipeline, resume
+from admm_dist.training import deploy, pipeline, resume
 from admm_dist.training.communicator import build_communicator
 from admm_dist.training.config import RESUMABLE, TrainConfig
 from admm_dist.training.outputs import RefusedError, RunOutputs, delta_w_rel
@@ -186,12 +186,12 @@ class Trainer:
         return f
 
     def recollect(self, collection: int) -> None:
-        """Fresh queries, each seat under the state it deploys (:func:`pipeline.deployed_states`);
+        """Fresh queries, each seat under the state it deploys (:func:`deploy.deployed_states`);
         under ``kl_ref collect`` that state becomes its node's KL reference."""
-        states = pipeline.deployed_states(self.cfg, self.engine, self.comm, len(self.nodes))
+        states = deploy.deployed_states(self.cfg, self.engine, self.comm, len(self.nodes))
         self.shards, self.dev_set = self.shard(self.collect(collection, states))
         if self.cfg.kl_ref == "collect":
-            self.ref_vecs = pipeline.kl_references(self.cfg, states, self.nodes)
+            self.ref_vecs = deploy.kl_references(self.cfg, states, self.nodes)
         self.encode_nodes()
 
     def generator(self):

@@ -16,6 +16,7 @@ from conftest import REPO
 
 pytestmark = pytest.mark.slow
 ROOT = str(REPO)
+ROWS = 4        # word_arith evaluation rows before and after training
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def test_the_built_folder_is_a_plain_llama_with_bpe_and_its_chat_template(smollm
 def test_demo_collects_trains_four_seats_exports_peft_and_evaluates_the_adapter(smollm2, tmp_path):
     # NPROC=2: the 4 seats on 2 gloo ranks (the README's command runs one rank per seat; the
     # numbers do not depend on the placement: tests/training/test_trainer.py)
-    env = dict(os.environ, MODEL=smollm2, OUT=str(tmp_path / "run"), RES=str(tmp_path / "res"), N="4",
+    env = dict(os.environ, MODEL=smollm2, OUT=str(tmp_path / "run"), RES=str(tmp_path / "res"), N=str(ROWS),
                NPROC="2", PYTHON=sys.executable)
     r = subprocess.run(["bash", os.path.join(ROOT, "launch", "smollm2_demo.sh")], env=env,
                        capture_output=True, text=True, timeout=1500)
@@ -73,7 +74,7 @@ def test_demo_collects_trains_four_seats_exports_peft_and_evaluates_the_adapter(
     assert rep["n_nodes"] == 4 and rep["collections"][0]["examples"] > 0
     after = json.load(open(tmp_path / "res" / "smollm2-after.json"))
     before = json.load(open(tmp_path / "res" / "smollm2-before.json"))
-    assert after["n"] == before["n"] == 4 and 0 <= after["accuracy"] <= 1
+    assert after["n"] == before["n"] == ROWS and 0 <= after["accuracy"] <= 1
     assert after["settings"]["deploy"] and not before["settings"]["deploy"]
     assert after["settings"]["model_name"] == smollm2
 
