@@ -484,10 +484,9 @@ def tiny_assets(folder: Path, n_agents: int) -> Dict[str, str]:
 
 
 # the elastic tests' run (tests/launch/test_elastic.py, test_multinode.py; N = 4, 2 hosts x 2
-# ranks): a host lost after round 4 and brought back after 2 more was in again by round 11 on
-# 2 cores (2026-12-04, quiet; its rejoin takes about 25 s whatever the rounds' length), so 24
-# rounds leave a margin; local_steps=10 (not 30) cut the test from 165 s to 110 s, its
-# uninterrupted reference from 70 s to 33 s
+# ranks): a host is lost after round 4 and brought back after 2 more. Its rejoin takes about 25 s
+# whatever the rounds' length (docs/elastic.md), about 6 rounds of 10 local steps on 2 cores, so
+# 24 rounds leave a margin; short rounds keep the test and its uninterrupted reference short.
 ELASTIC_ARGS = dict(k_outer=24, local_steps=10, keep_checkpoints=3, quiet="false")
 
 _REFERENCES: Dict[tuple, Path] = {}

@@ -108,8 +108,8 @@ def score_curve(args, cfg, final_rows: List[float], report: str) -> Dict[str, ob
         z = load_file(os.path.join(round_dir(ckpt_root(cfg.out), k), "node-0.safetensors"))["z"]
         path = f"{cfg.out}-round{k}.safetensors"
         save_vector(path, z, dict(meta, round=k))
-        rows.append(score_rows(args, cfg, ["--adapter", path, "--train_report", report], sampled=False,
-                               n=args.sampled_n)["greedy"])
+        rows.append(score_rows(args, cfg, ["--adapter", path, "--train_report", report],
+                               greedy_n=args.sampled_n, sampled_n=0)["greedy"])
     return {"rounds": rounds, "greedy": rows + [final_rows[:args.sampled_n]]}
 
 
@@ -162,16 +162,16 @@ def eval_argv(args, cfg, *, sampled: bool, n: int) -> List[str]:
     return argv
 
 
-def score_rows(args, cfg, deploy_argv: List[str], *, sampled: bool = True,
-               n: Optional[int] = None) -> Dict[str, List[float]]:
-    """Per-row accuracy, greedy on the front ``n`` rows (default ``--eval_n``) and (with --samples,
-    unless ``sampled`` is False) sampled on the front ``--sampled_n``: the share of right chains."""
+def score_rows(args, cfg, deploy_argv: List[str], *, greedy_n: int, sampled_n: int) -> Dict[str, List[float]]:
+    """Per-row accuracy: greedy on the front ``greedy_n`` rows and, when ``sampled_n`` > 0,
+    sampled (``--samples`` chains a row) on the front ``sampled_n``: the share of right chains."""
     from admm_dist.cli.evaluate import build_parser
     from admm_dist.mas import evaluation as evaluate
 
     out = {}
-    for mode in ("greedy", "sampled") if args.samples and sampled else ("greedy",):
-        rows = args.sampled_n if mode == "sampled" else (n or args.eval_n)
+    for mode, rows in (("greedy", greedy_n), ("sampled", sampled_n)):
+        if rows <= 0:
+            continue
         ev = build_parser().parse_args(eval_argv(args, cfg, sampled=mode == "sampled", n=rows) + deploy_argv)
         _, chains, outcome = evaluate.run(ev)
         per = 1 if mode == "greedy" else args.samples
@@ -179,6 +179,12 @@ def score_rows(args, cfg, deploy_argv: List[str], *, sampled: bool = True,
         out[mode] = [sum(right[i:i + per]) / per for i in range(0, len(right), per)]
         out[mode + "_anchors"] = [str(it["anchor"]) for it, _ in chains[::per]]
     return out
+
+
+def eval_rows(args) -> Dict[str, int]:
+    """The row counts of a base or arm evaluation: greedy on ``--eval_n``, sampled on the front
+    ``--sampled_n`` when ``--samples`` asks for sampled chains."""
+    return {"greedy_n": args.eval_n, "sampled_n": args.sampled_n if args.samples else 0}
 
 
 def train_arm(cfg) -> Dict[str, object]:
@@ -236,7 +242,7 @@ def run_job(args, job: str) -> Dict[str, object]:
     t0 = time.time()
     out: Dict[str, object] = {"job": job, "key": job_key(args, job)}
     if job == BASE:
-        out["rows"] = score_rows(args, args.train_config, [])
+        out["rows"] = score_rows(args, args.train_config, [], **eval_rows(args))
     else:
         seed, name = parse_job(job)
         out["seed"] = seed
@@ -274,7 +280,7 @@ def run_arm(args, seed: int, arm: Arm) -> Dict[str, object]:
         report = os.path.join(cfg.report_dir, f"{os.path.basename(cfg.out)}-train.json")
         deploy = (["--adapter", cfg.out + "-last.safetensors"] if arm.deploy == "consensus"
                   else ["--deploy", "local", "--state", cfg.out])
-        res["rows"] = score_rows(args, cfg, deploy + ["--train_report", report])
+        res["rows"] = score_rows(args, cfg, deploy + ["--train_report", report], **eval_rows(args))
         if cfg.recollect_every and arm.deploy == "consensus":
             res["curve"] = score_curve(args, cfg, res["rows"]["greedy"], report)
     return res
