@@ -50,7 +50,7 @@ from admm_dist.engine.dist import check_device, resolve_device
 from admm_dist.mas import ChainConfig, ChainRunner, role_name
 from admm_dist.mas.judge import Judge
 from admm_dist.mas.seats import adapted_seats, parse_agent_models
-from admm_dist.mas.vllm_backend import VLLMBackend
+from admm_dist.mas.vllm_backend import VLLMBackend, require_vllm
 from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
 from admm_dist.model.loading import check_model_src, load_model
 from admm_dist.model.vectors import load_vector
@@ -284,6 +284,8 @@ def prepare(args):
 
 def roll_out(args, dep, agent_models, chain, rows, settings, device):
     """Load the backbones and adapters and run every chain: [(item, Rollout)], adapted seats."""
+    if args.generation_backend == "vllm":
+        require_vllm()
     model, tok = load_model(settings["model_name"], device)
     adapter, states = None, {}
     if dep:

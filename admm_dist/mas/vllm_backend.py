@@ -101,6 +101,15 @@ class VLLMBackendError(UserError):
     the message says what to change."""
 
 
+def require_vllm() -> None:
+    """Fail before any weights load when vLLM is not installed here (a broken install still
+    fails at the engine's start, with the import error)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise VLLMBackendError(f"{INSTALL_HINT} (vLLM is not installed in this environment)")
+
+
 def _import_vllm():
     try:
         import vllm  # noqa: F401

@@ -102,6 +102,9 @@ class Trainer:
         collecting = self.needs_collection()
         if not collecting:  # a bad fit set fails before any weights load
             self.shards, self.dev_set = self.shard(self.read_fitset())
+        if cfg.generation_backend == "vllm" and (collecting or cfg.recollect_every):
+            from admm_dist.mas.vllm_backend import require_vllm
+            require_vllm()                        # and so does a missing vLLM
         model, self.tokenizer = self.load_backbone()
         self.adapter = BOnlyLoRA(model, cfg.adapter_config())
         self.model = self.adapter.model
