@@ -71,6 +71,7 @@ projections (``lora_target_modules``), because vLLM's LoRA wrapper of the LM hea
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -102,10 +103,7 @@ class VLLMBackendError(UserError):
 
 
 def require_vllm() -> None:
-    """Fail before any weights load when vLLM is not installed here (a broken install still
-    fails at the engine's start, with the import error)."""
-    import importlib.util
-
+    """Fail before any weights load when vLLM is missing (a broken install fails at engine start)."""
     if importlib.util.find_spec("vllm") is None:
         raise VLLMBackendError(f"{INSTALL_HINT} (vLLM is not installed in this environment)")
 

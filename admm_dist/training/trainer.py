@@ -33,6 +33,7 @@ from admm_dist.engine.admm import ADMMEngine, RoundRecord
 from admm_dist.engine.comm import TELEMETRY, Communicator
 from admm_dist.engine.dist import DistContext
 from admm_dist.engine.preemption import Preempted, PreemptionFlag, agree
+from admm_dist.mas import vllm_backend    # vLLM itself loads only when an engine starts
 from admm_dist.mas.collection import chain_runner, collect_fitset, gather_json, load_seat_models
 from admm_dist.model import batches as bt
 from admm_dist.model import objectives as obj
@@ -103,16 +104,14 @@ class Trainer:
         if not collecting:  # a bad fit set fails before any weights load
             self.shards, self.dev_set = self.shard(self.read_fitset())
         if cfg.generation_backend == "vllm" and (collecting or cfg.recollect_every):
-            from admm_dist.mas.vllm_backend import require_vllm
-            require_vllm()                        # and so does a missing vLLM
+            vllm_backend.require_vllm()           # and so does a missing vLLM
         model, self.tokenizer = self.load_backbone()
         self.adapter = BOnlyLoRA(model, cfg.adapter_config())
         self.model = self.adapter.model
         # Checkpointing trades compute for activation memory: on by default on GPU; a CPU
         # run has the memory and would only pay the recomputation (about +50% per step).
         if not cfg.no_grad_checkpointing and self.ctx.device.type == "cuda":
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.enable_input_require_grads()
         self.check_basis()
         self.ocfg = cfg.objective_config()
@@ -202,10 +201,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.generation_backend == "hf" or self._generator is not None:
             return self._generator
-        from admm_dist.mas.vllm_backend import VLLMBackend  # vLLM loads only when asked for
-
         self.talk(f"starting a vLLM engine on every rank ({cfg.model_name}, LoRA rank {cfg.lora_rank})")
-        self._generator = VLLMBackend(
+        self._generator = vllm_backend.VLLMBackend(
             cfg.model_name, self.tokenizer, self.adapter, seed=cfg.seed + self.rank,
             max_model_len=cfg.vllm_max_model_len, kv_cache_gib=cfg.vllm_kv_cache_gib,
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
