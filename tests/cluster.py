@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
+from conftest import build_tiny, tiny_args
+
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE", "PREEMPTED"}
 BINARIES = ("slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "srun")
@@ -459,27 +461,17 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "launch" / "slurm.sbatch")
 
 
-_ASSETS: Dict[int, Dict[str, str]] = {}
+_ASSETS: Dict[int, Dict[str, object]] = {}
 
 
-def tiny_assets(folder: Path, n_agents: int) -> Dict[str, str]:
-    """Tiny backbone + synthetic fit set (as tests/engine/test_preemption.py): seconds per round on
-    CPU. Built once per chain length in a test process (in ``folder`` the first time), so that
-    test modules share them and with them :func:`reference`'s runs."""
+def tiny_assets(folder: Path, n_agents: int) -> Dict[str, object]:
+    """:func:`conftest.build_tiny`'s assets, built once per chain length in a test process (in
+    ``folder`` the first time), so that test modules share them and with them
+    :func:`reference`'s runs."""
     made = _ASSETS.get(n_agents)
     if made and os.path.exists(made["fit"]):
         return made
-    from transformers import AutoTokenizer
-
-    from admm_dist.testing.synthetic import write_fitset
-    from admm_dist.testing.tiny import save_tiny_backbone
-
-    folder = Path(folder)
-    bb = save_tiny_backbone(str(folder / "backbone"), seed=1, hidden=32, layers=2, heads=2)
-    settings = {"task": "synthetic", "n_agents": n_agents, "adapt_roles": "all"}
-    fit = write_fitset(str(folder / "dpo.jsonl"), settings=settings, per_seat=16,
-                       tokenizer=AutoTokenizer.from_pretrained(bb))
-    _ASSETS[n_agents] = {"backbone": bb, "fit": fit, "n": str(n_agents)}
+    _ASSETS[n_agents] = build_tiny(folder, n_agents)
     return _ASSETS[n_agents]
 
 
@@ -492,7 +484,7 @@ ELASTIC_ARGS = dict(k_outer=24, local_steps=10, keep_checkpoints=3, quiet="false
 _REFERENCES: Dict[tuple, Path] = {}
 
 
-def reference(assets: Dict[str, str], folder: Path, **kw) -> Path:
+def reference(assets: Dict[str, object], folder: Path, **kw) -> Path:
     """The uninterrupted run of ``train_args(assets, folder, **kw)`` on this host, in one process
     that holds every node (the numbers do not depend on the placement:
     tests/training/test_trainer.py), run once per setting in a test process: the folder to
@@ -507,14 +499,9 @@ def reference(assets: Dict[str, str], folder: Path, **kw) -> Path:
     return _REFERENCES[key]
 
 
-def train_args(assets: Dict[str, str], out: Path, **kw) -> List[str]:
-    d = dict(model_name=assets["backbone"], fitset_cache=assets["fit"], task="synthetic",
-             n_agents=assets["n"], device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
-             k_outer=20, local_steps=2, batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0,
-             checkpoint_every=1, timeout_s=120, out=str(Path(out) / "run"),
-             report_dir=str(Path(out) / "rep"), resume="auto")
-    d.update(kw)
-    return [f"{k}={v}" for k, v in d.items()]
+def train_args(assets: Dict[str, object], out: Path, **kw) -> List[str]:
+    return tiny_args(assets, **dict(dict(k_outer=20, checkpoint_every=1, timeout_s=120, out=str(Path(out) / "run"),
+                                         report_dir=str(Path(out) / "rep"), resume="auto"), **kw))
 
 
 def submit_dir(folder: Path) -> Path:

@@ -1,12 +1,15 @@
 """Shared test settings and helpers: gloo on loopback, one thread per process, deterministic
-seeds, the repository root, a run in one process, the tiny backbone and fit set.
+seeds, the repository root, a run in one process, the tiny backbone and fit set, and the tiny
+run on them (as settings, as the training command's ``key=value`` overrides, as a command).
 
 The test tree mirrors the package (``tests/<layer>/test_<module>.py``); this file's folder is
 on ``sys.path``, so the tests import ``REPO`` and ``train_local`` from here, and ``procs``
 (processes by PID) and ``cluster`` (the real SLURM) beside it.
 """
 import os
+import sys
 from pathlib import Path
+from typing import List, Sequence
 
 import pytest
 import torch
@@ -69,24 +72,52 @@ def _seed():
     torch.manual_seed(0)
 
 
+def build_tiny(folder, n_agents: int) -> dict:
+    """A tiny random Qwen3 backbone (built offline) and a synthetic DPO fit set of 16 examples
+    per seat, in ``folder``: {"backbone", "fit", "n", "settings"}."""
+    from transformers import AutoTokenizer
+
+    from admm_dist.testing.synthetic import write_fitset
+    from admm_dist.testing.tiny import save_tiny_backbone
+
+    bb = save_tiny_backbone(str(Path(folder) / "backbone"), seed=1, hidden=32, layers=2, heads=2)
+    settings = {"task": "synthetic", "n_agents": n_agents, "adapt_roles": "all"}
+    fit = write_fitset(str(Path(folder) / "dpo.jsonl"), settings=settings, per_seat=16,
+                       tokenizer=AutoTokenizer.from_pretrained(bb))
+    return {"backbone": bb, "fit": fit, "n": n_agents, "settings": settings}
+
+
+# the tiny run on those assets: seconds per round on one CPU core
+TINY_RUN = dict(task="synthetic", device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
+                local_steps=2, batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0)
+
+
+def tiny_settings(assets: dict, **kw) -> dict:
+    """The tiny run on ``assets`` as {key: value}, ``kw`` on top (out, report_dir, k_outer, ...)."""
+    return {"model_name": assets["backbone"], "fitset_cache": assets["fit"], "n_agents": assets["n"],
+            **TINY_RUN, **kw}
+
+
+def tiny_args(assets: dict, **kw) -> List[str]:
+    """The same as the training command's ``key=value`` overrides."""
+    return [f"{k}={v}" for k, v in tiny_settings(assets, **kw).items()]
+
+
+def train_cmd(args: Sequence[str], nproc: int = 1) -> List[str]:
+    """``python -m admm_dist.train ARGS``, under ``torchrun --standalone`` when ``nproc`` > 1."""
+    if nproc == 1:
+        return [sys.executable, "-m", "admm_dist.train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "-m", "admm_dist.train", *args]
+
+
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
-    """``tiny_assets(n_agents)``: a tiny random Qwen3 backbone (built offline) and a synthetic
-    DPO fit set of 16 examples per seat, built once per chain length."""
+    """``tiny_assets(n_agents)``: :func:`build_tiny`'s assets, built once per chain length."""
     made = {}
 
     def build(n_agents: int) -> dict:
         if n_agents not in made:
-            from transformers import AutoTokenizer
-
-            from admm_dist.testing.synthetic import write_fitset
-            from admm_dist.testing.tiny import save_tiny_backbone
-
-            d = tmp_path_factory.mktemp(f"tiny{n_agents}")
-            bb = save_tiny_backbone(str(d / "backbone"), seed=1, hidden=32, layers=2, heads=2)
-            settings = {"task": "synthetic", "n_agents": n_agents, "adapt_roles": "all"}
-            fit = write_fitset(str(d / "dpo.jsonl"), settings=settings, per_seat=16,
-                               tokenizer=AutoTokenizer.from_pretrained(bb))
-            made[n_agents] = {"backbone": bb, "fit": fit, "settings": settings}
+            made[n_agents] = build_tiny(tmp_path_factory.mktemp(f"tiny{n_agents}"), n_agents)
         return made[n_agents]
     return build

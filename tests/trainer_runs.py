@@ -6,36 +6,23 @@ import pytest
 
 from admm_dist.engine.launcher import launch_cpu
 from admm_dist.testing import faults
-from admm_dist.testing.synthetic import write_fitset
-from admm_dist.testing.tiny import save_tiny_backbone
 from admm_dist.training.config import TrainConfig
 from admm_dist.training.trainer import Trainer
 
-from conftest import cli_rank
+from conftest import build_tiny, cli_rank, tiny_settings
 
 N = 3
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    d = tmp_path_factory.mktemp("assets")
-    bb = save_tiny_backbone(str(d / "backbone"), seed=1, hidden=32, layers=2, heads=2)
-    tok = AutoTokenizer.from_pretrained(bb)
-    settings = {"task": "synthetic", "n_agents": N, "adapt_roles": "all"}
-    dpo = write_fitset(str(d / "dpo.jsonl"), settings=settings, per_seat=16, tokenizer=tok)
-    return {"backbone": bb, "dpo": dpo, "dir": d, "settings": settings}
+    return build_tiny(tmp_path_factory.mktemp("assets"), N)
 
 
 def _settings(assets, out, **kw):
     """The tiny run every test starts from, as {key: value}."""
-    base = dict(model_name=assets["backbone"], fitset_cache=assets["dpo"], task="synthetic",
-                n_agents=N, device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
-                k_outer=3, local_steps=3, batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0,
-                out=str(out / "run"), report_dir=str(out / "reports"), quiet=True, timeout_s=60)
-    base.update(kw)
-    return base
+    return tiny_settings(assets, **dict(dict(k_outer=3, local_steps=3, out=str(out / "run"),
+                                             report_dir=str(out / "reports"), quiet=True, timeout_s=60), **kw))
 
 
 def _cfg(assets, out, **kw):

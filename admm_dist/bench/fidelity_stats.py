@@ -126,15 +126,21 @@ def _curve(args, base: dict, per: List[dict]) -> Dict[str, object]:
     return {"base": sum(b) / len(b), "rows": len(b), "points": points}
 
 
+def _name_width(names) -> int:
+    """The arm column: wide enough for the longest name, so every row's figures line up."""
+    return max([12, *(len(n) for n in names)]) + 1
+
+
 def format_table(summary: Dict[str, object], args) -> str:
     lines = []
     seeds = summary["seeds"]
+    w = _name_width([BASE, *args.arm_list])
     for mode, table in summary["modes"].items():
         how = "greedy" if mode == "greedy" else f"sampled, {args.samples} chains a row"
         n = args.eval_n if mode == "greedy" else args.sampled_n
         lines.append(f"\n{mode} accuracy on {n} held-out rows ({how}); gain = arm - base, "
                      f"95% CI over seeds and rows")
-        head = f"{'arm':<13}" + "".join(f"{'s' + str(s):>7}" for s in seeds) + \
+        head = f"{'arm':<{w}}" + "".join(f"{'s' + str(s):>7}" for s in seeds) + \
             f"{'mean':>8}{'gain':>8}{'95% CI':>18}{'wins':>6}{'vs ring':>9}{'95% CI':>18}"
         lines.append(head)
         for name in [BASE] + list(args.arm_list):
@@ -142,10 +148,10 @@ def format_table(summary: Dict[str, object], args) -> str:
             if r is None:
                 continue
             if "refused" in r:
-                lines.append(f"{name:<13} refused on seed(s) {', '.join(r['refused'])}: "
+                lines.append(f"{name:<{w}} refused on seed(s) {', '.join(r['refused'])}: "
                              f"{next(iter(r['refused'].values()))[:80]}")
                 continue
-            row = f"{name:<13}" + "".join(f"{a:7.3f}" for a in r["accuracy"]) + f"{r['mean']:8.3f}"
+            row = f"{name:<{w}}" + "".join(f"{a:7.3f}" for a in r["accuracy"]) + f"{r['mean']:8.3f}"
             if "gain" in r:
                 lo, hi = r["gain_ci95"]
                 row += f"{r['gain']:+8.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>18}{r['wins']:>4}/{len(seeds)}"
@@ -153,12 +159,12 @@ def format_table(summary: Dict[str, object], args) -> str:
                     lo, hi = r["minus_ref_ci95"]
                     row += f"{r['minus_ref']:+9.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>18}"
             lines.append(row)
-    lines += _pass_rate_lines(summary, args)
-    lines += _curve_lines(summary)
+    lines += _pass_rate_lines(summary, args, w)
+    lines += _curve_lines(summary, w)
     return "\n".join(lines)
 
 
-def _curve_lines(summary: Dict[str, object]) -> List[str]:
+def _curve_lines(summary: Dict[str, object], w: int) -> List[str]:
     """The learning curve: each consensus arm's greedy gain after 1, 2, ... collections."""
     curves = summary.get("curves") or {}
     if not curves:
@@ -167,18 +173,18 @@ def _curve_lines(summary: Dict[str, object]) -> List[str]:
     n = next(iter(curves.values())).get("rows")
     on = f" on the front {n} rows" if n else ""
     lines = [f"\ngreedy gain over the base after each collection's rounds{on} (mean over seeds, 95% CI over "
-             "seeds and rows)", f"{'arm':<13}" + "".join(f"{f'{c + 1} coll.':>24}" for c in range(most))]
+             "seeds and rows)", f"{'arm':<{w}}" + "".join(f"{f'{c + 1} coll.':>24}" for c in range(most))]
     for name, c in curves.items():
         cells = []
         for p in c["points"]:
             lo, hi = p["gain_ci95"]
             cells.append(f"{p['gain']:+7.3f} [{lo:+.3f}, {hi:+.3f}]".rjust(24))
-        lines.append(f"{name:<13}" + "".join(cells))
-    lines.append(f"{'(round)':<13}" + "".join(f"{p['round']:>24}" for p in next(iter(curves.values()))["points"]))
+        lines.append(f"{name:<{w}}" + "".join(cells))
+    lines.append(f"{'(round)':<{w}}" + "".join(f"{p['round']:>24}" for p in next(iter(curves.values()))["points"]))
     return lines
 
 
-def _pass_rate_lines(summary: Dict[str, object], args) -> List[str]:
+def _pass_rate_lines(summary: Dict[str, object], args, w: int) -> List[str]:
     """Each arm's collections' pass rates (mean over seeds), when some arm collected again."""
     arms = summary.get("arms", {})
     rates = {name: arms[name].get("pass_rates") or [] for name in args.arm_list if name in arms}
@@ -187,11 +193,11 @@ def _pass_rate_lines(summary: Dict[str, object], args) -> List[str]:
         return []
     lines = ["\ncollections' pass rates on their training queries (mean over seeds; collection 0 is "
              "shared, later ones ran under the arm's own adapter)",
-             f"{'arm':<13}" + "".join(f"{'c' + str(c):>8}" for c in range(most))]
+             f"{'arm':<{w}}" + "".join(f"{'c' + str(c):>8}" for c in range(most))]
     for name, per in rates.items():
         cells = []
         for c in range(most):
             got = [r[c] for r in per if len(r) > c and r[c] is not None]
             cells.append(f"{sum(got) / len(got):8.3f}" if got else f"{'-':>8}")
-        lines.append(f"{name:<13}" + "".join(cells))
+        lines.append(f"{name:<{w}}" + "".join(cells))
     return lines

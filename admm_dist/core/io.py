@@ -5,7 +5,6 @@ Data files are JSON/JSONL/safetensors only; nothing here unpickles.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import tempfile

@@ -95,6 +95,10 @@ def test_table_lists_every_arm(bench, capsys):
         assert name in text
     assert "greedy accuracy on 12 held-out rows" in text and "sampled accuracy on 8 held-out rows" in text
     assert "after each collection's rounds on the front 8 rows" in text
+    greedy = text.split("greedy accuracy", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    rows = {line.split()[0]: line for line in greedy}
+    # the arm column fits the longest name: rows with the same figures have the same length
+    assert len(rows["ADMM-decentralized-int8"]) == len(rows["Centralized"])
     rates = text.split("collections' pass rates", 1)[1].splitlines()
     assert rates[1].split() == ["arm", "c0", "c1"] and any(r.startswith("ADMM-ring ") for r in rates)
     curve = text.split("after each collection's rounds", 1)[1].splitlines()

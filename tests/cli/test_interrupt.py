@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, tiny_args, train_cmd
 
 N = 2
 ONE_LINE = re.compile(r"^admm_dist\.train: interrupted on rank (\d+) \((Ctrl-C|SIGTERM)\)")
@@ -37,19 +37,9 @@ def assets(tiny_assets):
 
 
 def _args(assets, tmp_path, **kw):
-    d = dict(model_name=assets["backbone"], fitset_cache=assets["fit"], task="synthetic", n_agents=N,
-             device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2, k_outer=200, local_steps=2,
-             batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0, timeout_s=60,
-             out=str(tmp_path / "run"), report_dir=str(tmp_path / "rep"))
-    d.update(kw)
-    return [f"{k}={v}" for k, v in d.items()]
+    return tiny_args(assets, **dict(dict(k_outer=200, timeout_s=60, out=str(tmp_path / "run"),
+                                         report_dir=str(tmp_path / "rep")), **kw))
 
-
-def _cmd(args, nproc):
-    if nproc == 1:
-        return [sys.executable, "-m", "admm_dist.train"] + args
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "-m", "admm_dist.train"] + args
 
 
 def _session(sid):
@@ -158,7 +148,7 @@ def _check_torchrun_lines(lines, before, how):
 
 def test_ctrl_c_under_torchrun_is_one_line_per_rank_and_the_run_resumes(assets, tmp_path, capfd, monkeypatch):
     job = tmp_path / "job"
-    run = Run(_cmd(_args(assets, tmp_path), N), job)
+    run = Run(train_cmd(_args(assets, tmp_path), N), job)
     before = None
     try:
         # round 2 is logged once every rank has written round 1's checkpoint
@@ -192,7 +182,7 @@ def test_a_rank_interrupted_alone_exits_130_and_its_peer_says_one_line(assets, t
     """SIGINT to one worker only (by the PID it recorded): it says its line and exits 130 (the
     agent reports that status), its peer stops with one line of its own, no traceback of ours."""
     job = tmp_path / "job"
-    run = Run(_cmd(_args(assets, tmp_path), N), job)
+    run = Run(train_cmd(_args(assets, tmp_path), N), job)
     pid = None
     try:
         if run.wait_for("round   2/", time.time() + 120):
@@ -217,7 +207,7 @@ def test_a_rank_interrupted_alone_exits_130_and_its_peer_says_one_line(assets, t
 def test_plain_python_stop_is_one_line_with_128_plus_signal_and_resume_auto_continues(
         assets, tmp_path, sig, capfd, monkeypatch):
     job = tmp_path / "job"
-    run = Run(_cmd(_args(assets, tmp_path), 1), job)
+    run = Run(train_cmd(_args(assets, tmp_path), 1), job)
     before = None
     try:
         if run.wait_for("round   2/", time.time() + 120):   # round 1 is checkpointed

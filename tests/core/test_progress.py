@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, tiny_args, train_cmd
 
 N = 2
 
@@ -72,10 +72,7 @@ def test_no_bar_in_a_redirected_log_or_when_quiet(tmp_path):
 
 
 def _train_cmd(assets, tmp_path, *extra):
-    return [sys.executable, "-m", "admm_dist.train", f"model_name={assets['backbone']}",
-            f"fitset_cache={assets['fit']}", "task=synthetic", f"n_agents={N}", "device=cpu", "lora_rank=4",
-            "lora_alpha=8", "lora_layers_last=2", "k_outer=3", "local_steps=2", "batch_size=4", "eta=0.02",
-            "rho=0.1", "grad_clip=1.0", f"out={tmp_path / 'run'}", f"report_dir={tmp_path / 'reports'}", *extra]
+    return train_cmd([*tiny_args(assets, k_outer=3, out=tmp_path / "run", report_dir=tmp_path / "reports"), *extra])
 
 
 def test_training_shows_its_rounds_on_a_terminal_and_plain_lines_in_a_log(tiny_assets, tmp_path):

@@ -3,7 +3,6 @@ exits 0; ``resume=auto`` then finishes with the same z as a run that was never s
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -12,7 +11,7 @@ from safetensors.torch import load_file
 
 from admm_dist.engine.launcher import launch_cpu
 
-from conftest import cli_rank
+from conftest import cli_rank, tiny_args, train_cmd
 
 N = 3
 K = 12      # rounds: the stop arrives after round 1 and is taken at the end of a round
@@ -24,19 +23,9 @@ def assets(tiny_assets):
 
 
 def _args(assets, out, **kw):
-    d = dict(model_name=assets["backbone"], fitset_cache=assets["fit"], task="synthetic", n_agents=N,
-             device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2, k_outer=K, local_steps=2,
-             batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0, checkpoint_every=100, timeout_s=60,
-             out=str(out / "run"), report_dir=str(out / "rep"))
-    d.update(kw)
-    return [f"{k}={v}" for k, v in d.items()]
+    return tiny_args(assets, **dict(dict(k_outer=K, checkpoint_every=100, timeout_s=60, out=str(out / "run"),
+                                         report_dir=str(out / "rep")), **kw))
 
-
-def _cmd(args, nproc):
-    if nproc == 1:
-        return [sys.executable, "-m", "admm_dist.train"] + args
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "-m", "admm_dist.train"] + args
 
 
 def _children(pid):
@@ -47,7 +36,7 @@ def _children(pid):
 def _preempt(args, nproc, deadline=240):
     """Start the run, send SIGUSR2 to one process once round 1 is logged, wait for the end."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    p = subprocess.Popen(_cmd(args, nproc), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(train_cmd(args, nproc), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, t0 = [], time.time()
     try:
         for line in p.stdout:
@@ -69,7 +58,7 @@ def test_sigusr2_checkpoints_every_rank_and_resume_finishes_the_same(assets, tmp
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     # the run that is never stopped goes on beside the one that is, in one process (the numbers
     # do not depend on the placement: tests/training/test_trainer.py)
-    clean = subprocess.Popen(_cmd(_args(assets, tmp_path / "clean"), 1), env=env, stdout=subprocess.DEVNULL,
+    clean = subprocess.Popen(train_cmd(_args(assets, tmp_path / "clean"), 1), env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     try:
         rc, out = _preempt(_args(assets, tmp_path / "cut"), nproc)
@@ -87,7 +76,7 @@ def test_sigusr2_checkpoints_every_rank_and_resume_finishes_the_same(assets, tmp
     rounds = sorted(os.listdir(tmp_path / "cut" / "run.ckpt"))
     assert rounds[-1] == f"round-{k:06d}", rounds
     assert not os.path.exists(tmp_path / "cut" / "run-last.safetensors")
-    done = subprocess.run(_cmd(_args(assets, tmp_path / "cut", resume="auto"), nproc), env=env,
+    done = subprocess.run(train_cmd(_args(assets, tmp_path / "cut", resume="auto"), nproc), env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"continuing after round {k}" in done.stdout
@@ -102,7 +91,7 @@ def test_sigusr2_during_set_up_stops_cleanly_and_the_job_dir_says_so(assets, tmp
     import json
     job = tmp_path / "job"
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", ADMM_JOB_DIR=str(job))
-    p = subprocess.Popen(_cmd(_args(assets, tmp_path, resume="auto"), N), env=env, stdout=subprocess.PIPE,
+    p = subprocess.Popen(train_cmd(_args(assets, tmp_path, resume="auto"), N), env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
@@ -140,7 +129,7 @@ def test_a_rank_stopped_during_start_up_is_one_line_on_the_others(assets, tmp_pa
     import json
     job = tmp_path / "job"
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", ADMM_JOB_DIR=str(job))
-    p = subprocess.Popen(_cmd(_args(assets, tmp_path, timeout_s=8), N), env=env, stdout=subprocess.PIPE,
+    p = subprocess.Popen(train_cmd(_args(assets, tmp_path, timeout_s=8), N), env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     stopped = None
     try:

@@ -12,6 +12,8 @@ from admm_dist.cli import train
 from admm_dist.data.fitset import load_fitset, save_fitset
 from admm_dist.training import checkpoint as ckpt
 
+from conftest import tiny_args
+
 N = 3
 
 
@@ -21,12 +23,8 @@ def assets(tiny_assets):
 
 
 def _args(assets, tmp, **kw):
-    d = dict(model_name=assets["backbone"], fitset_cache=assets["fit"], task="synthetic", n_agents=N,
-             device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2, k_outer=2, local_steps=2,
-             batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0, timeout_s=30, quiet=True,
-             out=str(tmp / "runs" / "run"), report_dir=str(tmp / "reports"))
-    d.update(kw)
-    return [f"{k}={v}" for k, v in d.items()]
+    return tiny_args(assets, **dict(dict(k_outer=2, timeout_s=30, quiet=True, out=str(tmp / "runs" / "run"),
+                                         report_dir=str(tmp / "reports")), **kw))
 
 
 def _run(capsys, assets, tmp, **kw):

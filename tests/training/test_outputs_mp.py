@@ -11,7 +11,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from admm_dist.engine.launcher import launch_cpu
 from admm_dist.testing import faults
 
-from conftest import cli_rank
+from conftest import cli_rank, tiny_args
 
 N = 2
 
@@ -22,12 +22,8 @@ def assets(tiny_assets):
 
 
 def _args(assets, tmp, **kw):
-    d = dict(model_name=assets["backbone"], fitset_cache=assets["fit"], task="synthetic", n_agents=N,
-             device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2, k_outer=3, local_steps=2,
-             batch_size=4, eta=0.02, rho=0.1, grad_clip=1.0, timeout_s=30, quiet=True,
-             out=str(tmp / "runs" / "run"), report_dir=str(tmp / "reports"))
-    d.update(kw)
-    return [f"{k}={v}" for k, v in d.items()]
+    return tiny_args(assets, **dict(dict(k_outer=3, timeout_s=30, quiet=True, out=str(tmp / "runs" / "run"),
+                                         report_dir=str(tmp / "reports")), **kw))
 
 
 def _launch(args, monkeypatch, restarts=0, fault=None):

@@ -268,7 +268,7 @@ def test_local_only_with_an_empty_seat_writes_the_seats_that_moved(assets, tmp_p
     its x_i stays at x^0, and only the seats that had examples are required to move."""
     from admm_dist.data import fitset as fs
 
-    f = fs.load_fitset(assets["dpo"])
+    f = fs.load_fitset(assets["fit"])
     keep = [e for e in f.examples if e.seat != 2]
     path = str(tmp_path / "no_seat2.jsonl")
     fs.save_fitset(path, keep, fit_mode=f.fit_mode, settings=f.settings, stats=f.stats,

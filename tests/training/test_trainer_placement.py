@@ -56,7 +56,6 @@ def test_four_nodes_on_any_number_of_ranks_equal_one_process(consensus, tiny_ass
     """N = 4 nodes on W = 2, 3, 4 ranks: the final z and every node file are the single-process
     run's (W = 1), bit for bit (one reference run for the three)."""
     four = tiny_assets(4)
-    four = {"backbone": four["backbone"], "dpo": four["fit"]}
     kw = dict(n_agents=4, consensus=consensus, **(dict(topology="ring") if consensus == "gossip" else {}))
     local_cfg = _cfg(four, tmp_path / "local", **kw)
     train_local(local_cfg)
@@ -81,7 +80,6 @@ def test_a_run_resumes_onto_another_world_size_bit_for_bit(consensus, compress, 
     import dataclasses
 
     four = tiny_assets(4)
-    four = {"backbone": four["backbone"], "dpo": four["fit"]}
     kw = dict(n_agents=4, consensus=consensus, compress=compress,
               **(dict(topology="chain") if consensus != "ring" else {}))
     clean = _cfg(four, tmp_path / "clean", k_outer=4, **kw)

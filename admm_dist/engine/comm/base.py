@@ -184,3 +184,34 @@ class Communicator(abc.ABC):
         for node in self.nodes:
             self.meter.add(node, "all_gather", sent=row_bytes * (n - 1),
                            recv=row_bytes * (n - 1), phase=TELEMETRY)
+
+
+class NodeLoopCommunicator(Communicator):
+    """A communicator that serves every mode itself, node by node: the single-process one and
+    the one that holds several nodes per rank. ``consensus_`` picks the compressed exchange or
+    the mode's own method."""
+
+    def consensus_(self, vectors: Sequence[torch.Tensor]) -> None:
+        self._check_vectors(vectors)
+        if self.n_nodes == 1:
+            return
+        if self.compress != "none":
+            compressed.consensus_(self, vectors)
+        elif self.mode in MIXING:
+            self._gossip(vectors)
+        elif self.mode == "ring":
+            self._ring(vectors)
+        else:
+            self._coordinator(vectors)
+
+    @abc.abstractmethod
+    def _coordinator(self, vs: Sequence[torch.Tensor]) -> None:
+        """Every vector becomes the exact mean (summed in node order)."""
+
+    @abc.abstractmethod
+    def _ring(self, vs: Sequence[torch.Tensor]) -> None:
+        """The exact mean by the chunked ring's order of summation."""
+
+    @abc.abstractmethod
+    def _gossip(self, vs: Sequence[torch.Tensor]) -> None:
+        """``gossip_steps`` neighbour-mixing steps (one, for ``decentralized``)."""

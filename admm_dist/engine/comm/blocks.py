@@ -25,10 +25,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from admm_dist.engine.comm import compressed
 from admm_dist.engine.comm.base import (
     CommError,
-    Communicator,
+    NodeLoopCommunicator,
     Message,
     first_line,
     gossip_combine,
@@ -36,13 +35,12 @@ from admm_dist.engine.comm.base import (
     wait_all,
 )
 from admm_dist.engine.comm.meter import CONSENSUS, chunk_bounds
-from admm_dist.engine.comm.modes import MIXING
 from admm_dist.engine.comm.placement import blocks, owners
 
 IN_PROCESS = "in_process"   # the bytes a hop between two nodes of one rank copies in memory
 
 
-class BlockCommunicator(Communicator):
+class BlockCommunicator(NodeLoopCommunicator):
     """Nodes ``blocks(N, W)[rank]`` of this rank, exchanged with the other ranks' blocks."""
 
     def __init__(self, *, mode: str, n_nodes: int, timeout: datetime.timedelta,
@@ -125,19 +123,6 @@ class BlockCommunicator(Communicator):
         return got
 
     # -- consensus ---------------------------------------------------------------
-    def consensus_(self, vectors: Sequence[torch.Tensor]) -> None:
-        self._check_vectors(vectors)
-        if self.n_nodes == 1:
-            return
-        if self.compress != "none":
-            compressed.consensus_(self, vectors)
-        elif self.mode in MIXING:
-            self._gossip(vectors)
-        elif self.mode == "ring":
-            self._ring(vectors)
-        else:
-            self._coordinator(vectors)
-
     def _coordinator(self, vs: Sequence[torch.Tensor]) -> None:
         total = vs[0].clone()
         for v in vs[1:]:

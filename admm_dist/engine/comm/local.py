@@ -12,13 +12,11 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from admm_dist.engine.comm import compressed
-from admm_dist.engine.comm.base import Communicator, Message, gossip_combine, ring_accumulate
+from admm_dist.engine.comm.base import Message, NodeLoopCommunicator, gossip_combine, ring_accumulate
 from admm_dist.engine.comm.meter import CONSENSUS, chunk_bounds
-from admm_dist.engine.comm.modes import MIXING
 
 
-class LocalCommunicator(Communicator):
+class LocalCommunicator(NodeLoopCommunicator):
     def __init__(self, *, mode: str, n_nodes: int, topology: str = "ring",
                  gossip_steps: int = 1, meter=None, compress: str = "none") -> None:
         super().__init__(mode=mode, n_nodes=n_nodes, nodes=range(n_nodes),
@@ -38,20 +36,6 @@ class LocalCommunicator(Communicator):
             self.meter.add(dst, "irecv", recv=nbytes, phase=CONSENSUS)
             got[(src, dst)] = payload
         return got
-
-    def consensus_(self, vectors: Sequence[torch.Tensor]) -> None:
-        self._check_vectors(vectors)
-        n = self.n_nodes
-        if n == 1:
-            return
-        if self.compress != "none":
-            compressed.consensus_(self, vectors)
-        elif self.mode in MIXING:
-            self._gossip(vectors)
-        elif self.mode == "ring":
-            self._ring(vectors)
-        else:
-            self._coordinator(vectors)
 
     def _coordinator(self, vs: Sequence[torch.Tensor]) -> None:
         n = self.n_nodes
