@@ -8,7 +8,8 @@ sampler. A round is the engine's: ``local_steps`` Adam steps on
 f_i + rho/2 ||x - (z_i - u_i)||^2 (the x-step, :meth:`Trainer.xstep`), then the z- and
 u-steps through the communicator.
 
-Wiring only: the data pipeline is :mod:`~admm_dist.training.pipeline`, the outputs
+Wiring only: the data pipeline is :mod:`~admm_dist.training.pipeline`, the collections
+:mod:`~admm_dist.training.collecting`, the outputs
 :mod:`~admm_dist.training.outputs`, checkpoints :mod:`~admm_dist.training.resume`, the
 report :mod:`~admm_dist.training.report`, the trackers :mod:`~admm_dist.training.tracking`
 and the progress bars :mod:`admm_dist.core.progress` (rank 0, not ``quiet``, on a terminal).
@@ -33,8 +34,6 @@ from admm_dist.engine.admm import ADMMEngine, RoundRecord
 from admm_dist.engine.comm import TELEMETRY, Communicator
 from admm_dist.engine.dist import DistContext
 from admm_dist.engine.preemption import Preempted, PreemptionFlag, agree
-from admm_dist.mas import vllm_backend    # vLLM itself loads only when an engine starts
-from admm_dist.mas.collection import chain_runner, collect_fitset, gather_json, load_seat_models
 from admm_dist.model import batches as bt
 from admm_dist.model import objectives as obj
 from admm_dist.model.adapter import BOnlyLoRA
@@ -43,12 +42,13 @@ from admm_dist.model.objectives import ObjectiveConfig
 from admm_dist.model.vectors import check_same_basis, hash_to_int64_row, int64_row_to_hash, load_vector
 from admm_dist.training import checkpoint as ckpt
 from admm_dist.training import deploy, pipeline, resume
+from admm_dist.training.collecting import CollectionRunner, record_collection
 from admm_dist.training.communicator import build_communicator
 from admm_dist.training.config import RESUMABLE, TrainConfig
 from admm_dist.training.outputs import RefusedError, RunOutputs, delta_w_rel
 from admm_dist.training.report import TrainReport
 from admm_dist.training.state import BestRound, NodeState
-from admm_dist.training.tracking import Tracker, collection_scalars, final_scalars, round_scalars
+from admm_dist.training.tracking import Tracker, final_scalars, round_scalars
 
 if TYPE_CHECKING:
     from admm_dist.testing.faults import FaultPlan
@@ -84,8 +84,7 @@ class Trainer:
         self.tracker = Tracker()   # report_to's writers, opened once the rounds are about to start
         self.report = TrainReport(config=cfg.as_dict(), out_path=os.path.abspath(cfg.out))
         self.outputs = RunOutputs(cfg, ctx.rank, self.talk)
-        self.agent_models = None   # agent_models backbones, loaded at the first collection
-        self._generator = None     # generation_backend vllm: this rank's engine, built at the first collection
+        self.collections: Optional[CollectionRunner] = None   # made by setup(), with the communicator
         self.fit_digest: Optional[str] = None   # content of the first fit set (fingerprint)
         self.dev_encoded: Dict[int, list] = {}  # each node's held-out share, tokenized once
         self.best: Optional[BestRound] = None
@@ -99,12 +98,12 @@ class Trainer:
         random.seed(cfg.seed)
         self.comm = build_communicator(self.cfg, self.ctx)
         self.nodes = list(self.comm.nodes)
+        self.collections = CollectionRunner(cfg, self.ctx, self.comm, self.talk)
         self.check_outputs()
         collecting = self.needs_collection()
         if not collecting:  # a bad fit set fails before any weights load
             self.shards, self.dev_set = self.shard(self.read_fitset())
-        if cfg.generation_backend == "vllm" and (collecting or cfg.recollect_every):
-            vllm_backend.require_vllm()           # and so does a missing vLLM
+        self.collections.check_backend(collecting)   # and so does a missing vLLM
         model, self.tokenizer = self.load_backbone()
         self.adapter = BOnlyLoRA(model, cfg.adapter_config())
         self.model = self.adapter.model
@@ -156,33 +155,10 @@ class Trainer:
 
     def collect(self, collection: int, states: Dict[int, torch.Tensor]) -> fs.FitSet:
         """Roll out the MAS on this collection's training queries (every rank a share)."""
-        cfg = self.cfg
-        distributed = self.ctx.env.is_distributed
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            if self.agent_models is None:
-                self.agent_models = load_seat_models(cfg.seat_backbones(), self.ctx.device)
-            runner = chain_runner(cfg, self.model, self.tokenizer, adapter=self.adapter, states=states,
-                                  seat_models=self.agent_models, generator=self.generator())
-            f = collect_fitset(cfg, runner, collection=collection,
-                               init_sha=pipeline.file_fingerprint(cfg.init_state),
-                               rank=self.rank if distributed else 0,
-                               world=len(self.comm.rank_blocks()) if distributed else 1,
-                               exchange=gather_json(self.comm, self.ctx.device) if distributed else None)
-        finally:
-            self.model.train(was_training)
-        stats = f.stats
-        self.report.add_collection(stats, f.anchor_keys)
-        self.tracker.log(collection * cfg.recollect_every, collection_scalars(stats))
-        self.talk(f"collection {collection}: {stats['kept_queries']}/{stats['queries']} queries x {cfg.group} "
-                  f"({cfg.credit}), {len(f.examples)} examples, pass rate {stats['mean_pass_rate']:.3f}, "
-                  f"mixed groups {stats['mixed_group_rate']:.3f} ({stats['seconds']}s)")
-        if collection == 0 and cfg.fitset_cache and self.rank == 0:
-            fs.save_fitset(cfg.fitset_cache, f.examples, fit_mode="sft", settings=f.settings, stats=stats,
-                           anchor_keys=f.anchor_keys)
-            self.talk(f"wrote the collected fit set to {cfg.fitset_cache}")
-        self.report.fitset_provenance = "collected"
+        f = self.collections.fitset(collection, states, model=self.model, tokenizer=self.tokenizer,
+                                    adapter=self.adapter)
+        record_collection(self.cfg, f, collection, report=self.report, tracker=self.tracker, talk=self.talk,
+                          rank=self.rank)
         if collection == 0:
             self.fit_digest = fs.content_key(f)
         return f
@@ -195,25 +171,6 @@ class Trainer:
         if self.cfg.kl_ref == "collect":
             self.ref_vecs = deploy.kl_references(self.cfg, states, self.nodes)
         self.encode_nodes()
-
-    def generator(self):
-        """The rollout engine of ``generation_backend`` (None: transformers' generate)."""
-        cfg = self.cfg
-        if cfg.generation_backend == "hf" or self._generator is not None:
-            return self._generator
-        self.talk(f"starting a vLLM engine on every rank ({cfg.model_name}, LoRA rank {cfg.lora_rank})")
-        self._generator = vllm_backend.VLLMBackend(
-            cfg.model_name, self.tokenizer, self.adapter, seed=cfg.seed + self.rank,
-            max_model_len=cfg.vllm_max_model_len, kv_cache_gib=cfg.vllm_kv_cache_gib,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
-        return self._generator
-
-    def close_generator(self) -> None:
-        if self._generator is not None:
-            try:
-                self._generator.close()
-            finally:
-                self._generator = None
 
     # ------------------------------------------------------------------ nodes
     def build_nodes(self) -> None:
@@ -297,7 +254,8 @@ class Trainer:
         finally:
             restore()
             self.tracker.close()
-            self.close_generator()
+            if self.collections is not None:
+                self.collections.close()
             self.outputs.release()
 
     def _train(self) -> Dict[str, object]:

@@ -1,0 +1,101 @@
+"""A run's collections (Algorithm A1, steps 1 and 3): the chain rolled out on training queries,
+on every rank a share, under the seat states the trainer hands over.
+
+:class:`CollectionRunner` keeps what the collections of one run share: the ``agent_models``
+backbones and, under ``generation_backend vllm``, this rank's engine, both made at the first
+collection and kept for the later ones. :func:`record_collection` puts a collection's figures
+in the report, the trackers and the log, and writes the first one to ``fitset_cache``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Dict
+
+import torch
+
+from admm_dist.data import fitset as fs
+from admm_dist.engine.comm import Communicator
+from admm_dist.engine.dist import DistContext
+from admm_dist.mas import vllm_backend    # vLLM itself loads only when an engine starts
+from admm_dist.mas.collection import chain_runner, collect_fitset, gather_json, load_seat_models
+from admm_dist.training import pipeline
+from admm_dist.training.config import TrainConfig
+from admm_dist.training.tracking import collection_scalars
+
+if TYPE_CHECKING:
+    from admm_dist.model.adapter import BOnlyLoRA
+    from admm_dist.training.report import TrainReport
+    from admm_dist.training.tracking import Tracker
+
+
+class CollectionRunner:
+    """One rank's collections of a run, on the trainer's backbone and adapter."""
+
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, comm: Communicator,
+                 talk: Callable[[str], None]) -> None:
+        self.cfg, self.ctx, self.comm, self.talk = cfg, ctx, comm, talk
+        self.agent_models = None   # agent_models backbones, loaded at the first collection
+        self._generator = None     # generation_backend vllm: this rank's engine, built at the first collection
+
+    def check_backend(self, collecting: bool) -> None:
+        """Before any weights load: a run that will roll out under ``generation_backend vllm``
+        needs vLLM installed (one line that says how, otherwise)."""
+        if self.cfg.generation_backend == "vllm" and (collecting or self.cfg.recollect_every):
+            vllm_backend.require_vllm()
+
+    def fitset(self, collection: int, states: Dict[int, torch.Tensor], *, model: Any, tokenizer: Any,
+               adapter: "BOnlyLoRA") -> fs.FitSet:
+        """Roll out the chain on this collection's training queries, each adapted seat under its
+        state in ``states`` (none: the backbone's, or the adapter as loaded)."""
+        cfg, distributed = self.cfg, self.ctx.env.is_distributed
+        was_training = model.training
+        model.eval()
+        try:
+            if self.agent_models is None:
+                self.agent_models = load_seat_models(cfg.seat_backbones(), self.ctx.device)
+            runner = chain_runner(cfg, model, tokenizer, adapter=adapter, states=states,
+                                  seat_models=self.agent_models, generator=self.generator(tokenizer, adapter))
+            return collect_fitset(cfg, runner, collection=collection,
+                                  init_sha=pipeline.file_fingerprint(cfg.init_state),
+                                  rank=self.ctx.rank if distributed else 0,
+                                  world=len(self.comm.rank_blocks()) if distributed else 1,
+                                  exchange=gather_json(self.comm, self.ctx.device) if distributed else None)
+        finally:
+            model.train(was_training)
+
+    def generator(self, tokenizer: Any, adapter: "BOnlyLoRA"):
+        """The rollout engine of ``generation_backend`` (None: transformers' generate)."""
+        cfg = self.cfg
+        if cfg.generation_backend == "hf" or self._generator is not None:
+            return self._generator
+        self.talk(f"starting a vLLM engine on every rank ({cfg.model_name}, LoRA rank {cfg.lora_rank})")
+        self._generator = vllm_backend.VLLMBackend(
+            cfg.model_name, tokenizer, adapter, seed=cfg.seed + self.ctx.rank,
+            max_model_len=cfg.vllm_max_model_len, kv_cache_gib=cfg.vllm_kv_cache_gib,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
+        return self._generator
+
+    def close(self) -> None:
+        """Stop the rollout engine, if one was started."""
+        if self._generator is not None:
+            try:
+                self._generator.close()
+            finally:
+                self._generator = None
+
+
+def record_collection(cfg: TrainConfig, f: fs.FitSet, collection: int, *, report: "TrainReport",
+                      tracker: "Tracker", talk: Callable[[str], None], rank: int) -> None:
+    """A collection's figures to the report, the trackers (at the round it ran after) and the
+    log; rank 0 writes the first one to ``fitset_cache``."""
+    stats = f.stats
+    report.add_collection(stats, f.anchor_keys)
+    tracker.log(collection * cfg.recollect_every, collection_scalars(stats))
+    talk(f"collection {collection}: {stats['kept_queries']}/{stats['queries']} queries x {cfg.group} "
+         f"({cfg.credit}), {len(f.examples)} examples, pass rate {stats['mean_pass_rate']:.3f}, "
+         f"mixed groups {stats['mixed_group_rate']:.3f} ({stats['seconds']}s)")
+    if collection == 0 and cfg.fitset_cache and rank == 0:
+        fs.save_fitset(cfg.fitset_cache, f.examples, fit_mode="sft", settings=f.settings, stats=stats,
+                       anchor_keys=f.anchor_keys)
+        talk(f"wrote the collected fit set to {cfg.fitset_cache}")
+    report.fitset_provenance = "collected"
+
