@@ -51,6 +51,29 @@ class RefusedError(UserError):
     no result file is written, the report goes to ``<name>-train-refused.json``."""
 
 
+def refusal(cfg: TrainConfig, dw: Sequence[float], node_sizes: Optional[Sequence[int]]) -> Optional[str]:
+    """Why a finished run's result must not be written (its nodes' delta_w_rel ``dw``), or None.
+
+    Every node should move, except under ``local_only`` a node with no examples (f_i = 0,
+    nothing couples it to the others): its x_i staying at x^0 is the right answer. A node that
+    moved past ``max_delta_w_rel`` diverged."""
+    sizes = node_sizes or [1] * len(dw)
+    kept = "; any earlier result in out= is kept"
+    should = [i for i, d in enumerate(dw) if not (cfg.local_only and sizes[i] == 0)]
+    still = [i for i in should if not (math.isfinite(dw[i]) and dw[i] >= 1e-6)]
+    if not should:
+        return f"refusing to write {cfg.out}: no node had examples to train on, so none moved: check the fit set{kept}"
+    if still:
+        return (f"refusing to write {cfg.out}: the adapter of node(s) {still} did not move "
+                f"(delta_w_rel={list(dw)}); raise --eta or --k_outer{kept}")
+    wild = [i for i, d in enumerate(dw) if d > cfg.max_delta_w_rel]
+    if wild:
+        return (f"refusing to write {cfg.out}: the run diverged (delta_w_rel of node(s) {wild} = "
+                f"{max(dw[i] for i in wild):.3g} > max_delta_w_rel={cfg.max_delta_w_rel:g}): "
+                f"lower --eta or --grad_clip{kept}")
+    return None
+
+
 class RunOutputs:
     """The output paths of one run, seen from one rank."""
 

@@ -45,7 +45,7 @@ from admm_dist.training import deploy, pipeline, resume
 from admm_dist.training.collecting import CollectionRunner, record_collection
 from admm_dist.training.communicator import build_communicator
 from admm_dist.training.config import RESUMABLE, TrainConfig
-from admm_dist.training.outputs import RefusedError, RunOutputs, delta_w_rel
+from admm_dist.training.outputs import RefusedError, RunOutputs, delta_w_rel, refusal
 from admm_dist.training.report import TrainReport
 from admm_dist.training.state import BestRound, NodeState
 from admm_dist.training.tracking import Tracker, final_scalars, round_scalars
@@ -386,22 +386,10 @@ class Trainer:
         report.delta_w_rel = dw_all if deploy_local else dw_all[0]
         self.tracker.log(self.engine.round, final_scalars(dw_all, deploy_local))
         report.deploy_required = "local" if deploy_local else None
-        # Every node should move, except under local_only a node with no examples (f_i = 0,
-        # nothing couples it to the others): its x_i staying at x^0 is the right answer.
-        sizes = report.get("node_sizes") or [1] * len(dw_all)
-        should = [i for i, d in enumerate(dw_all) if not (cfg.local_only and sizes[i] == 0)]
-        still = [i for i in should if not (math.isfinite(dw_all[i]) and dw_all[i] >= 1e-6)]
-        kept = "; any earlier result in out= is kept"
-        if still or not should:
+        why = refusal(cfg, dw_all, report.get("node_sizes"))
+        if why is not None:
             self.outputs.write_report(report, "refused")
-            raise RefusedError(f"refusing to write {cfg.out}: the adapter of node(s) {still or should} did not "
-                            f"move (delta_w_rel={dw_all}); raise --eta or --k_outer{kept}")
-        wild = [i for i, d in enumerate(dw_all) if d > cfg.max_delta_w_rel]
-        if wild:
-            self.outputs.write_report(report, "refused")
-            raise RefusedError(f"refusing to write {cfg.out}: the run diverged (delta_w_rel of node(s) {wild} = "
-                            f"{max(dw_all[i] for i in wild):.3g} > max_delta_w_rel={cfg.max_delta_w_rel:g}): "
-                            f"lower --eta or --grad_clip{kept}")
+            raise RefusedError(why)
         self.outputs.write_results(engine=self.engine, comm=self.comm, nodes=self.nodes, adapter=self.adapter,
                                    report=report, best=self.best, deploy_local=deploy_local,
                                    fingerprint=self.fingerprint)

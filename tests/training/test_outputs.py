@@ -107,6 +107,25 @@ def test_refused_and_diverged_runs_keep_the_earlier_result_and_report(assets, tm
     assert os.path.exists(tmp_path / "reports" / "run-train-refused.json")
 
 
+def test_the_refusal_rule_node_by_node():
+    """Every node must move (but a node with no examples under local_only may stay at x^0), and
+    none past max_delta_w_rel; the message names the nodes and the setting to change."""
+    from admm_dist.training.config import TrainConfig
+    from admm_dist.training.outputs import refusal
+
+    cfg = TrainConfig(out="runs/r", max_delta_w_rel=10.0)
+    assert refusal(cfg, [0.01, 0.02, 0.03], [4, 4, 4]) is None
+    why = refusal(cfg, [0.01, 0.0, float("nan")], [4, 4, 4])
+    assert "node(s) [1, 2] did not move" in why and "raise --eta or --k_outer" in why and "runs/r" in why
+    why = refusal(cfg, [0.01, 12.5, 0.03], None)
+    assert "diverged" in why and "node(s) [1] = 12.5 > max_delta_w_rel=10" in why and "lower --eta" in why
+    assert "earlier result in out= is kept" in why
+    local = TrainConfig(out="runs/r", local_only=True)
+    assert refusal(local, [0.01, 0.0, 0.02], [4, 0, 4]) is None           # f_1 = 0: x_1 stays at x^0
+    assert "node(s) [1] did not move" in refusal(cfg, [0.01, 0.0, 0.02], [4, 0, 4])   # coupled: it must move
+    assert "no node had examples to train on" in refusal(local, [0.0], [0])
+
+
 def test_out_names_a_run(assets, tmp_path, capsys):
     rc, err = _run(capsys, assets, tmp_path, out="")
     assert rc == 2 and len(err) == 1 and "name the run" in err[0]
