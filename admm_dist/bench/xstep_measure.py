@@ -175,7 +175,7 @@ def bench_trainer_class():
         def read_fitset(self):
             return None
 
-        def shard(self, f=None):
+        def shard(self, f=None, hold_out=True):
             return {n: self._shards[n] for n in self.nodes}, []
 
         def load_backbone(self):

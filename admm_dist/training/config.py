@@ -135,8 +135,9 @@ class TrainConfig:
                           "<think> block never closed", choices=FIT_FILTERS, group=OBJ)
     dedup_targets: int = key(3, "at most this many examples of a node may share one target text (0: off)",
                              group=OBJ)
-    dev_frac: float = key(0.0, "hold out this fraction of each node's examples to track held-out NLL and "
-                          "write <out>-best.safetensors (0: train on all)", group=HELD_OUT)
+    dev_frac: float = key(0.0, "hold out this fraction of each seat's examples to track held-out NLL and "
+                          "write <out>-best.safetensors (0: train on all); with recollect_every, of the first "
+                          "collection's, kept for the whole run", group=HELD_OUT)
     dev_every: int = key(1, "measure the held-out NLL every N rounds (and after the last)", group=HELD_OUT)
     partition: str = key("seat", "seat: one node per adapted seat (the paper's setting); anchor: pool the "
                          "examples and split them over nodes by query", choices=PARTITION_MODES, group=ADMM)

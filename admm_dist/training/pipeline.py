@@ -73,9 +73,12 @@ def read_fitset(cfg: TrainConfig, report: TrainReport) -> fs.FitSet:
 
 
 def shard(cfg: TrainConfig, f: fs.FitSet, nodes: Sequence[int], report: TrainReport,
-          talk: Callable[[str], None]) -> Tuple[Dict[int, List[fs.Example]], List[fs.Example]]:
+          talk: Callable[[str], None], *, hold_out: bool = True
+          ) -> Tuple[Dict[int, List[fs.Example]], List[fs.Example]]:
     """This rank's nodes' training examples and the held-out dev examples of fit set ``f``:
-    derived for ``fit_mode``, filtered, per seat, deduplicated, dev split, partitioned."""
+    derived for ``fit_mode``, filtered, per seat, deduplicated, dev split (``dev_frac``, when
+    ``hold_out``: the first fit set of a run; a re-collection's trains on all its examples, so
+    that the held-out NLL of every round is measured on one set), partitioned."""
     examples = dv.derive(f, cfg.fit_mode)
     seats = cfg.adapted_seats()
     report.fitset = cfg.fitset_cache
@@ -104,7 +107,7 @@ def shard(cfg: TrainConfig, f: fs.FitSet, nodes: Sequence[int], report: TrainRep
         per_seat = pt.by_seat(flat, seats)
     report.target_composition = dv.target_composition(per_seat)
     dev: List = []
-    if cfg.dev_frac > 0:
+    if cfg.dev_frac > 0 and hold_out:
         per_seat, dev = pt.split_dev(per_seat, cfg.dev_frac, cfg.seed)
         report.dev_held_out = len(dev)
     parts = pt.partition(per_seat, mode=cfg.partition, n_partitions=cfg.n_partitions,
@@ -124,8 +127,8 @@ def shard(cfg: TrainConfig, f: fs.FitSet, nodes: Sequence[int], report: TrainRep
     if small:
         talk(f"note: node(s) {small} hold fewer examples ({[len(parts[i]) for i in small]}) than "
                   f"batch_size={cfg.batch_size}: each of their steps uses the whole shard")
-    talk(f"fit set {cfg.fitset_cache or '(collected)'}: node sizes {[len(p) for p in parts]}, "
-              f"dev {len(dev)}")
+    talk(f"fit set {cfg.fitset_cache or '(collected)'}: node sizes {[len(p) for p in parts]}"
+         + (f", dev {len(dev)}" if hold_out else ""))
     return {n: parts[n] for n in nodes}, dev
 
 

@@ -150,8 +150,8 @@ class Trainer:
         self.fit_digest = fs.content_key(f)
         return f
 
-    def shard(self, f: fs.FitSet):
-        return pipeline.shard(self.cfg, f, self.nodes, self.report, self.talk)
+    def shard(self, f: fs.FitSet, hold_out: bool = True):
+        return pipeline.shard(self.cfg, f, self.nodes, self.report, self.talk, hold_out=hold_out)
 
     def collect(self, collection: int, states: Dict[int, torch.Tensor]) -> fs.FitSet:
         """Roll out the MAS on this collection's training queries (every rank a share)."""
@@ -165,9 +165,10 @@ class Trainer:
 
     def recollect(self, collection: int) -> None:
         """Fresh queries, each seat under the state it deploys (:func:`deploy.deployed_states`);
-        under ``kl_ref collect`` that state becomes its node's KL reference."""
+        under ``kl_ref collect`` that state becomes its node's KL reference. The held-out set
+        stays the first collection's: every example of this one is trained on."""
         states = deploy.deployed_states(self.cfg, self.engine, self.comm, len(self.nodes))
-        self.shards, self.dev_set = self.shard(self.collect(collection, states))
+        self.shards, _ = self.shard(self.collect(collection, states), hold_out=False)
         if self.cfg.kl_ref == "collect":
             self.ref_vecs = deploy.kl_references(self.cfg, states, self.nodes)
         self.encode_nodes()

@@ -132,6 +132,35 @@ def test_kl_ref_collect_follows_the_policy_of_each_collection(tmp_path):
     assert all(torch.equal(v, z1) for v in t.refs[n:])
 
 
+def test_the_held_out_set_is_the_first_collections_for_the_whole_run(tmp_path):
+    """dev_frac with re-collection: the held-out examples come from the first collection and
+    stay the same for every round (held-out NLL compared across rounds, as ``-best`` does, must be
+    on one set); later collections train on all their examples. A run preempted after round 1
+    and resumed (which collects again from the checkpoint) measures on the same set."""
+    from admm_dist.engine.dist import distributed
+    from admm_dist.engine.preemption import Preempted, PreemptionFlag
+
+    kw = dict(k_outer=2, recollect_every=1, dev_frac=0.25, fitset_cache=str(tmp_path / "first.jsonl"))
+    clean = train_local(_cfg(tmp_path / "clean", **kw))
+    assert clean["dev_held_out"] > 0 and [p["round"] for p in clean["dev_curve"]] == [1, 2]
+
+    class PreemptedInRoundOne(Trainer):     # SIGUSR2 during round 1: it stops after round 1
+        def on_round(self, rec):
+            super().on_round(rec)
+            self.preempt.noted = True
+
+    with distributed("cpu", timeout_s=120) as ctx, pytest.raises(Preempted):
+        PreemptedInRoundOne(_cfg(tmp_path / "cut", **kw), ctx, preempt=PreemptionFlag()).train()
+    resumed = train_local(_cfg(tmp_path / "cut", resume="auto", **kw))
+    assert resumed["resumed"]["after_round"] == 1
+    assert resumed["dev_curve"] == clean["dev_curve"] and resumed["best"] == clean["best"]
+    assert resumed["dev_held_out"] == clean["dev_held_out"]
+    for suffix in ("-best.safetensors", "-last.safetensors"):
+        a = load_file(str(tmp_path / "clean" / "run") + suffix)
+        b = load_file(str(tmp_path / "cut" / "run") + suffix)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), suffix
+
+
 def test_collection_errors_are_one_line(tmp_path):
     with pytest.raises(UserError, match="sink_tokens > 0"):
         train_local(_cfg(tmp_path, sink_tokens=0))
