@@ -4,7 +4,8 @@ Run::
 
     python -m admm_dist.bench.fidelity --seeds 1,2,3,4,5 [--config configs/cpu/standin_onpolicy.yaml]
         [--json results/bench_fidelity.json] [--png results/bench_fidelity.png]
-        [--eval_n 400] [--sampled_n 400] [--samples 4] [--jobs 2] [--arms ADMM-ring,Centralized] [key=value ...]
+        [--eval_n 400] [--sampled_n 400] [--samples 4] [--jobs 2] [--arms ADMM-ring,Centralized]
+        [--select last|best] [key=value ...]
 
 What one run does, for every seed of ``--seeds``:
 
@@ -30,7 +31,10 @@ What one run does, for every seed of ``--seeds``:
    (``--samples`` chains a row at the config's temperature and top_p, with the same sampling
    seed for every arm). The learning curve is read greedy on the ``--sampled_n`` front rows
    too, so each of its points costs an evaluation of those rows, not of all ``--eval_n``. The
-   base (no adapter) is evaluated once: it does not depend on the training seed.
+   base (no adapter) is evaluated once: it does not depend on the training seed. A consensus
+   arm deploys its ``-last`` file, or with ``--select best`` (and ``dev_frac``) its ``-best``:
+   z at the round with the lowest held-out NLL, which the JSON records per arm and seed; the
+   arms that deploy per seat deploy their last states either way.
 
 Statistics. For an arm, d[s, r] is its accuracy on row r after training with seed s minus
 the base's accuracy on row r (rows scored 0/1 greedy, or the share of right chains when
@@ -71,6 +75,7 @@ from admm_dist.bench.fidelity_run import (
     BASE,
     COLLECT,
     DEFAULT_ARMS,
+    SELECTIONS,
     BenchError,
     arm_job,
     assemble_seed,
@@ -103,6 +108,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
            f"(default {SAMPLED_N}, or --eval_n when that is fewer)")
     a("--eval_seed", type=int, default=42, help="pool order and sampling seed of the evaluation")
     a("--samples", type=int, default=4, help="sampled chains per row (0: greedy only)")
+    a("--select", choices=SELECTIONS, default="last",
+      help="which file the consensus arms deploy: last (z after the last round) or best (the round "
+           "with the lowest held-out NLL: needs dev_frac, e.g. dev_frac=0.1)")
     a("--boot", type=int, default=2000, help="bootstrap resamples for the intervals")
     a("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     a("--threads", type=int, default=1, help="torch threads per worker")
@@ -140,6 +148,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if not os.path.isfile(args.config):
         raise BenchError(f"--config {args.config} does not exist: pass a file from configs/")
     args.train_config = base_config(args, args.seed_list[0])   # a bad key fails here, before any work
+    if args.select == "best" and not args.train_config.dev_frac > 0:
+        raise BenchError("--select best deploys each consensus arm's -best file, which needs a held-out set: "
+                         "add dev_frac=0.1")
     return args
 
 
@@ -245,6 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         summary = summarize(args, results[BASE], seeds)
         summary.update(config=args.config, overrides=args.overrides, eval_n=args.eval_n,
                        sampled_n=args.sampled_n, eval_seed=args.eval_seed, samples=args.samples, boot=args.boot,
+                       select=args.select,
                        jobs=args.jobs, threads=args.threads, seconds=round(time.time() - t0, 1),
                        train_config=args.train_config.as_dict())
         print(format_table(summary, args))

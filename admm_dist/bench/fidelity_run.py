@@ -55,6 +55,7 @@ DEFAULT_ARMS = tuple(a.name for a in ARMS if a.default)
 ARM_BY_NAME = {a.name: a for a in ARMS}
 BASE = "base"
 REFERENCE = "ADMM-ring"
+SELECTIONS = ("last", "best")   # which file a consensus arm deploys: -last (z after the last round) or -best
 COLLECTION_KEYS = ("kept_queries", "examples", "mean_pass_rate", "mixed_group_rate")
 
 
@@ -95,7 +96,8 @@ def curve_rounds(cfg) -> List[int]:
 def score_curve(args, cfg, final_rows: List[float], report: str) -> Dict[str, object]:
     """Greedy accuracy per row of the front ``--sampled_n`` rows after each collection's rounds (a
     consensus arm: z of that round's checkpoint on every seat, saved with the ``-last`` file's
-    adapter identity; the last point is the front of ``final_rows``)."""
+    adapter identity; the last point is the front of ``final_rows`` when the arm deploys
+    ``-last``, else the last round's checkpoint too)."""
     from safetensors.torch import load_file
 
     from admm_dist.model.vectors import load_vector, save_vector
@@ -104,13 +106,16 @@ def score_curve(args, cfg, final_rows: List[float], report: str) -> Dict[str, ob
     rounds = curve_rounds(cfg)
     _, meta = load_vector(cfg.out + "-last.safetensors")
     rows = []
-    for k in rounds[:-1]:
+    read = rounds if args.select != "last" else rounds[:-1]
+    for k in read:
         z = load_file(os.path.join(round_dir(ckpt_root(cfg.out), k), "node-0.safetensors"))["z"]
         path = f"{cfg.out}-round{k}.safetensors"
         save_vector(path, z, dict(meta, round=k))
         rows.append(score_rows(args, cfg, ["--adapter", path, "--train_report", report],
                                greedy_n=args.sampled_n, sampled_n=0)["greedy"])
-    return {"rounds": rounds, "greedy": rows + [final_rows[:args.sampled_n]]}
+    if len(read) < len(rounds):
+        rows.append(final_rows[:args.sampled_n])
+    return {"rounds": rounds, "greedy": rows}
 
 
 COLLECT = "collect"     # the job that makes a seed's shared first collection
@@ -139,6 +144,8 @@ def job_key(args, job: str) -> str:
                                 if k not in ("seed", "fitset_cache", "out", "report_dir", "quiet")},
          "eval_n": args.eval_n, "sampled_n": args.sampled_n, "eval_seed": args.eval_seed,
          "samples": args.samples, "threads": args.threads, "version": 3}
+    if args.select != "last":    # the key of every earlier run stays what it was
+        d["select"] = args.select
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -201,7 +208,7 @@ def train_arm(cfg) -> Dict[str, object]:
     except RefusedError as e:
         return {"refused": str(e), "train_sec": round(time.time() - t0, 2)}
     rounds = report.get("rounds") or []
-    return {"refused": None, "train_sec": round(time.time() - t0, 2),
+    return {"refused": None, "train_sec": round(time.time() - t0, 2), "best": report.get("best"),
             "f": [r["f"] for r in rounds], "primal_normalized": [r["primal_normalized"] for r in rounds],
             "primal": [r["primal"] for r in rounds], "dual": [r["dual"] for r in rounds],
             "delta_w_rel": report.get("delta_w_rel"), "node_sizes": report.get("node_sizes"),
@@ -219,12 +226,17 @@ def first_collection(cfg) -> Dict[str, object]:
     return {k: stats.get(k) for k in COLLECTION_KEYS}
 
 
-def deployed_vectors(cfg, arm: Arm) -> Dict[int, "object"]:
+def consensus_file(cfg, select: str) -> str:
+    """The file a consensus arm deploys: ``<out>-last`` or ``<out>-best`` (``--select``)."""
+    return f"{cfg.out}-{select}.safetensors"
+
+
+def deployed_vectors(cfg, arm: Arm, select: str) -> Dict[int, "object"]:
     """{seat: the flat vector that arm deploys on it} (for distances between arms)."""
     from safetensors.torch import load_file
 
     if arm.deploy == "consensus":
-        vec = load_file(cfg.out + "-last.safetensors")["b"]
+        vec = load_file(consensus_file(cfg, select))["b"]
         return {s: vec for s in cfg.adapted_seats()}
     with open(os.path.join(cfg.out, "seat_map.json")) as fh:
         node_of = json.load(fh)["node_of_seat"]
@@ -278,7 +290,7 @@ def run_arm(args, seed: int, arm: Arm) -> Dict[str, object]:
     res = train_arm(cfg)
     if res["refused"] is None:
         report = os.path.join(cfg.report_dir, f"{os.path.basename(cfg.out)}-train.json")
-        deploy = (["--adapter", cfg.out + "-last.safetensors"] if arm.deploy == "consensus"
+        deploy = (["--adapter", consensus_file(cfg, args.select)] if arm.deploy == "consensus"
                   else ["--deploy", "local", "--state", cfg.out])
         res["rows"] = score_rows(args, cfg, deploy + ["--train_report", report], **eval_rows(args))
         if cfg.recollect_every and arm.deploy == "consensus":
@@ -297,7 +309,7 @@ def assemble_seed(args, seed: int, collect: dict, arm_jobs: Dict[str, dict]) -> 
         if res.get("refused") is None:
             res["collection"] = first
             res["collections"] = [first] + res.pop("recollections")
-            vectors[arm.name] = deployed_vectors(base_config(args, seed, arm), arm)
+            vectors[arm.name] = deployed_vectors(base_config(args, seed, arm), arm, args.select)
         arms[arm.name] = res
     ref = vectors.get("Centralized")
     if ref:

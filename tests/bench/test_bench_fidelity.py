@@ -138,6 +138,7 @@ def test_crossed_bootstrap_covers_the_mean_and_narrows_with_rows():
     (["eta"], "key=value"),
     (["no_such_key=1"], "no_such_key"),
     (["--config", "configs/nope.yaml"], "does not exist"),
+    (["--select", "best"], "dev_frac"),
 ])
 def test_bad_input_is_one_line(argv, msg, capsys):
     assert fidelity.main(argv + ["--workdir", "/nonexistent/never"]) == 2
@@ -190,3 +191,26 @@ def test_a_seeds_fit_set_of_other_settings_stops_the_run_in_one_line(tmp_path, c
     assert rc == 2 and len(err) == 1, err
     assert "job seed3-collect failed (exit 2)" in err[0] and "was built with different settings" in err[0]
     assert "Traceback" not in err[0]
+
+
+@pytest.mark.slow   # a second benchmark run (one arm): the default suite's fixture covers -last
+def test_select_best_deploys_the_round_with_the_lowest_held_out_nll(tmp_path):
+    from admm_dist.bench.fidelity_run import ARM_BY_NAME, base_config, score_rows
+
+    argv = ["--seeds", "3", "--arms", REFERENCE, "--eval_n", "8", "--samples", "0", "--workdir", str(tmp_path / "w"),
+            "--json", str(tmp_path / "b.json"), "--select", "best", *TINY, "recollect_every=1",
+            "recollect_anchors=6", "dev_frac=0.25"]
+    assert fidelity.main(argv) == 0
+    summary = json.loads((tmp_path / "b.json").read_text())
+    assert summary["select"] == "best"
+    job = json.loads((tmp_path / "w" / f"seed3-{REFERENCE}.json").read_text())["result"]
+    assert job["best"]["round"] in (1, 2) and job["best"]["dev_nll"] > 0
+    args = fidelity.parse_args(argv)
+    cfg = base_config(args, 3, ARM_BY_NAME[REFERENCE])
+    best = cfg.out + "-best.safetensors"
+    # the rows the table scored are those of the -best file's adapter
+    report = f"{cfg.report_dir}/{cfg.out.rsplit('/', 1)[1]}-train.json"
+    assert score_rows(args, cfg, ["--adapter", best, "--train_report", report], greedy_n=8, sampled_n=0)["greedy"] \
+        == job["rows"]["greedy"]
+    # the learning curve reads both rounds from their checkpoints
+    assert [p["round"] for p in summary["curves"][REFERENCE]["points"]] == [1, 2]
