@@ -3,12 +3,13 @@
 Run::
 
     python -m admm_dist.bench.kill_resume [--runs 20] [--out DIR] [--seed 0] [--k-outer 5]
-                                          [--json PATH] [--timeout 600]
+                                          [--nproc 4] [--json PATH] [--timeout 600]
 
-What it measures: whether a 4-rank run under ``torchrun`` (CPU, gloo on loopback, one thread
-per rank) whose rank is SIGKILLed at an arbitrary moment of a checkpoint write, and which is
-then continued with ``resume=auto``, ends with exactly the results of a run that was never
-interrupted, and leaves nothing behind.
+What it measures: whether a run of 4 nodes under ``torchrun`` (CPU, gloo on loopback, one
+thread per rank; ``--nproc`` ranks, 4 by default: one node per rank, fewer: contiguous blocks
+of nodes per rank, :mod:`admm_dist.engine.comm.placement`) whose rank is SIGKILLed at an
+arbitrary moment of a checkpoint write, and which is then continued with ``resume=auto``,
+ends with exactly the results of a run that was never interrupted, and leaves nothing behind.
 
 1. Tiny offline assets in ``DIR/assets``: the random tiny Qwen3 of the tests
    (:func:`admm_dist.testing.tiny.save_tiny_backbone`) and a synthetic DPO fit set of 16
@@ -23,8 +24,8 @@ interrupted, and leaves nothing behind.
    the marker's temporary not renamed, right after the marker). The run is started with
    ``ADMM_DIST_FAULT_AT=ckpt@ROUND:NODE:POINT`` and ``--max-restarts 0``: the rank holding
    NODE kills itself (SIGKILL, by its own PID) there, and torchrun stops the others, so the
-   launch must fail (``fault rc`` non-zero, the SIGKILL seen in torchrun's log). Then the same
-   command with ``resume=auto`` and no fault must exit 0.
+   launch must fail (``fault rc`` non-zero, the SIGKILL seen in torchrun's log on that rank,
+   and on no other). Then the same command with ``resume=auto`` and no fault must exit 0.
 4. The resumed run's ``-last`` vector (key ``b``) and every node file's tensors (x, z, u) are
    compared byte for byte with the reference of the same ``keep_checkpoints`` (same names,
    dtypes, shapes and bytes: NaN payloads and signed zeros included). It also records the
@@ -56,7 +57,7 @@ from typing import Dict, List, Optional, Sequence
 
 from admm_dist.bench.common import descendants
 
-N_AGENTS = 4
+N_AGENTS = 4     # nodes: one per seat of the chain
 KEEPS = (1, 3)
 DEFAULT_K_OUTER = 5
 DEFAULT_TIMEOUT_S = 600.0
@@ -94,8 +95,9 @@ def train_args(assets: Dict[str, str], folder: str, *, keep: int, k_outer: int, 
 
 
 # --------------------------------------------------------------------------- one launch
-def torchrun(args: Sequence[str], log_path: str, *, fault: Optional[str], timeout_s: float) -> int:
-    """``torchrun --standalone --nproc_per_node 4 --max-restarts 0 -m admm_dist.train ARGS``, its
+def torchrun(args: Sequence[str], log_path: str, *, fault: Optional[str], timeout_s: float,
+             nproc: int = N_AGENTS) -> int:
+    """``torchrun --standalone --nproc_per_node NPROC --max-restarts 0 -m admm_dist.train ARGS``, its
     output in ``log_path``; the exit status (124 when it ran past ``timeout_s``: torchrun gets
     SIGTERM, which it passes to its workers, then every process left gets SIGKILL by PID)."""
     from admm_dist.testing import faults
@@ -104,7 +106,7 @@ def torchrun(args: Sequence[str], log_path: str, *, fault: Optional[str], timeou
     env.pop(faults.ENV, None)
     if fault:
         env[faults.ENV] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(N_AGENTS),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "--max-restarts", "0", "-m", "admm_dist.train", *args]
     with open(log_path, "w") as log:
         log.write("# " + (f"{faults.ENV}={fault} " if fault else "") + " ".join(cmd) + "\n")
@@ -201,7 +203,7 @@ def resumed_after(log_path: str) -> Optional[int]:
 
 def killed_ranks(log_path: str) -> List[int]:
     """The local ranks torchrun reported ended by SIGKILL: the planned fault fired on the rank
-    holding the node (rank i holds node i of 4). torchrun names its first observed failure in
+    holding the node (:func:`admm_dist.engine.comm.placement.owners`). torchrun names its first observed failure in
     one line (``failed (exitcode: -9) local_rank: R``) and every failed rank in its summary
     (``local_rank: R)`` then ``exitcode  : -9``); the killed rank need not be the first observed,
     since its peers fail within milliseconds of it."""
@@ -230,8 +232,11 @@ def plan(runs: int, seed: int, k_outer: int) -> List[Dict[str, object]]:
 
 
 def run(out: str, runs: int, *, seed: int = 0, k_outer: int = DEFAULT_K_OUTER,
-        timeout_s: float = DEFAULT_TIMEOUT_S, log=print) -> Dict[str, object]:
+        timeout_s: float = DEFAULT_TIMEOUT_S, nproc: int = N_AGENTS, log=print) -> Dict[str, object]:
     """The whole benchmark; returns {"settings", "references", "trials", "summary"}."""
+    from admm_dist.engine.comm.placement import owners
+
+    owner = owners(N_AGENTS, nproc)
     t_all = time.perf_counter()
     os.makedirs(out, exist_ok=True)
     for name in os.listdir(out):
@@ -245,7 +250,7 @@ def run(out: str, runs: int, *, seed: int = 0, k_outer: int = DEFAULT_K_OUTER,
         os.makedirs(folder)
         t0 = time.perf_counter()
         rc = torchrun(train_args(assets, folder, keep=keep, k_outer=k_outer), os.path.join(folder, "train.log"),
-                      fault=None, timeout_s=timeout_s)
+                      fault=None, timeout_s=timeout_s, nproc=nproc)
         secs = time.perf_counter() - t0
         refs[keep] = result_tensors(folder)
         references[keep] = {"rc": rc, "seconds": round(secs, 1), "rounds_left": rounds_left(folder),
@@ -265,14 +270,15 @@ def run(out: str, runs: int, *, seed: int = 0, k_outer: int = DEFAULT_K_OUTER,
         t0 = time.perf_counter()
         flog, rlog = os.path.join(folder, "fault.log"), os.path.join(folder, "resume.log")
         frc = torchrun(train_args(assets, folder, keep=p["keep"], k_outer=k_outer), flog, fault=fault,
-                       timeout_s=timeout_s)
+                       timeout_s=timeout_s, nproc=nproc)
         fired = killed_ranks(flog)
         rounds_after_kill = rounds_left(folder)
         rrc = torchrun(train_args(assets, folder, keep=p["keep"], k_outer=k_outer, resume=True), rlog, fault=None,
-                       timeout_s=timeout_s)
+                       timeout_s=timeout_s, nproc=nproc)
         secs = time.perf_counter() - t0
         diff = differences(result_tensors(folder), refs[p["keep"]]) if rrc == 0 else ["resume failed"]
-        t = dict(p, run=i, fault=fault, fault_rc=frc, killed_ranks=fired, kill_fired=fired == [p["node"]],
+        t = dict(p, run=i, rank=owner[p["node"]], fault=fault, fault_rc=frc, killed_ranks=fired,
+                 kill_fired=fired == [owner[p["node"]]],
                  rounds_after_kill=rounds_after_kill,
                  resume_rc=rrc, resumed_after=resumed_after(rlog), identical=not diff, differences=diff,
                  leftovers=leftovers(folder), rounds_left=rounds_left(folder),
@@ -286,7 +292,7 @@ def run(out: str, runs: int, *, seed: int = 0, k_outer: int = DEFAULT_K_OUTER,
             f"{len(t['leftovers']):>9} {rounds:<12} {secs:>6.1f}")
         if not t["ok"]:
             why = ("the fault run did not fail" if frc == 0
-                   else f"SIGKILL seen on rank(s) {fired}, not {p['node']}" if not t["kill_fired"]
+                   else f"SIGKILL seen on rank(s) {fired}, not {t['rank']}" if not t["kill_fired"]
                    else f"resume exited {rrc}" if rrc != 0 else "; ".join(diff))
             log(f"#   run {i} FAILED ({fault}, keep_checkpoints={p['keep']}): {why}; logs in {folder}")
             if rrc != 0:
@@ -302,7 +308,8 @@ def run(out: str, runs: int, *, seed: int = 0, k_outer: int = DEFAULT_K_OUTER,
         f"resume exit 0 {summary['resumed']}/{n}, no .tmp/.staged left {summary['without_leftovers']}/{n}, "
         f"checkpoint rounds left as the reference's {summary['rounds_as_reference']}/{n}; "
         f"wall {summary['wall_s']:.1f} s")
-    settings = {"runs": runs, "seed": seed, "k_outer": k_outer, "n_agents": N_AGENTS, "keeps": list(KEEPS),
+    settings = {"runs": runs, "seed": seed, "k_outer": k_outer, "n_agents": N_AGENTS, "nproc": nproc,
+                "keeps": list(KEEPS),
                 "timeout_s": timeout_s, "args": train_args({"backbone": "BACKBONE", "fit": "FIT"}, "DIR",
                                                            keep=0, k_outer=k_outer)}
     return {"settings": settings, "references": {str(k): v for k, v in references.items()},
@@ -316,18 +323,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="scratch folder: assets, references, one folder per trial (default runs/kill_resume)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the drawn round, node and point (default 0)")
     ap.add_argument("--k-outer", type=int, default=DEFAULT_K_OUTER, help=f"rounds per run (default {DEFAULT_K_OUTER})")
+    ap.add_argument("--nproc", type=int, default=N_AGENTS,
+                    help=f"ranks for the {N_AGENTS} nodes (default {N_AGENTS}: one node per rank; fewer: "
+                         "several nodes per rank)")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                     help=f"seconds one torchrun launch may take (default {DEFAULT_TIMEOUT_S:.0f})")
     ap.add_argument("--json", metavar="PATH", help="write the trials and the summary here (a JSON dict), atomically")
     a = ap.parse_args(argv)
     if a.runs < 1 or a.k_outer < 1:
         ap.error("--runs and --k-outer must be at least 1")
+    if not 1 <= a.nproc <= N_AGENTS:
+        ap.error(f"--nproc {a.nproc}: use 1 to {N_AGENTS} ranks (a node cannot be split over ranks)")
     from admm_dist.bench.common import hush_future_warnings, write_json
 
     hush_future_warnings()
 
     try:
-        r = run(a.out, a.runs, seed=a.seed, k_outer=a.k_outer, timeout_s=a.timeout)
+        r = run(a.out, a.runs, seed=a.seed, k_outer=a.k_outer, timeout_s=a.timeout, nproc=a.nproc)
     except RuntimeError as e:
         print(f"kill_resume: error: {e}", file=sys.stderr)
         return 2
