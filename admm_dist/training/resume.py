@@ -1,9 +1,11 @@
 """Saving a round and resuming from the last round every rank completed.
 
 A checkpoint of round k holds, per node, x, z, u, the public copies of compressed consensus
-(``comm.*``), the Adam moments, the CPU RNG state, the sampler's position, the round history, the dev curve, the adaptive rho and the best round
-(files: :mod:`admm_dist.training.checkpoint`). Resuming restores exactly that, so a resumed
-run continues bit for bit as if it had not stopped.
+(``comm.*``), the Adam moments, the CPU RNG state, the sampler's position, the round history,
+the dev curve, the adaptive rho, the best round and, once the run has collected again
+(``recollect_every``), the node's state that collection ran under (files:
+:mod:`admm_dist.training.checkpoint`). Resuming restores exactly that, so a resumed run
+continues bit for bit as if it had not stopped.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from admm_dist.training.report import TrainReport
 from admm_dist.training.state import BestRound, NodeState
 
 COMM_STATE = "comm."   # tensor-name prefix of the communicator's per-node state
+COLLECTED_UNDER = "collected_under"   # the node's deployed state at the last re-collection
 
 if TYPE_CHECKING:
     from admm_dist.engine.admm import ADMMEngine
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: Sequence[int],
                state: Dict[int, NodeState], param: torch.Tensor, fingerprint: str, report: TrainReport,
                best: Optional[BestRound], keep: int, resumable: Dict[str, float],
+               collected_under: Optional[Sequence[torch.Tensor]] = None,
                faults: Optional["FaultPlan"] = None) -> None:
     """Every node of this rank writes round ``engine.round``; then the ranks agree on the newest
     round all of them completed, and only then prune to ``keep`` rounds up to it.
@@ -58,6 +62,8 @@ def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: 
                 "previous": before[-1] if before else 0}
         if best is not None:
             tensors["best_z"] = best.z
+        if collected_under is not None:      # the state the last re-collection ran under
+            tensors[COLLECTED_UNDER] = collected_under[j]
         ckpt.save_node(root, k, node, tensors, meta,   # faults: tests only, a kill inside this write
                        hook=None if faults is None else (lambda point, n=node: faults.in_checkpoint(k, n, point)))
     mine = ckpt.completed_rounds(root, nodes, fingerprint)
@@ -105,8 +111,10 @@ def agreed_round(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int], r
 
 def restore_round(cfg: TrainConfig, agreed: int, *, engine: "ADMMEngine", nodes: Sequence[int],
                   state: Dict[int, NodeState], param: torch.Tensor, fingerprint: str, device,
-                  report: TrainReport, recollect: Callable[[int], None]) -> Optional[BestRound]:
-    """Load round ``agreed`` into the engine, the optimisers and the samplers; the best round."""
+                  report: TrainReport, recollect: Callable[..., None]) -> Optional[BestRound]:
+    """Load round ``agreed`` into the engine, the optimisers and the samplers; the best round.
+    With ``recollect_every``, the last re-collection before ``agreed`` is made again, under the
+    states it ran under (kept in the checkpoint), which gives the same rollouts."""
     root = ckpt.ckpt_root(cfg.out)
     restored: Dict[str, object] = {"round": agreed}
     loaded = {}
@@ -131,7 +139,13 @@ def restore_round(cfg: TrainConfig, agreed: int, *, engine: "ADMMEngine", nodes:
                               "resume from the one before") from None
     every = cfg.recollect_every
     if every and agreed >= every and agreed < cfg.k_outer:
-        recollect(agreed // every)   # deterministic: the same z gives the same rollouts
+        kept = [loaded[node][0].get(COLLECTED_UNDER) for node in nodes]
+        if any(v is None for v in kept) and agreed % every:
+            raise CheckpointError(f"checkpoint {where} lacks the states of collection {agreed // every} "
+                                  f"(written by an older admm_dist): resume from round {agreed // every * every} "
+                                  "by deleting the round folders after it, or start again with overwrite=true")
+        # none kept: round `agreed` ends a collection's rounds, and its states are the collection's
+        recollect(agreed // every, None if any(v is None for v in kept) else [v.to(device) for v in kept])
     best: Optional[BestRound] = None
     for node, (tensors, meta) in loaded.items():
         st = state[node]

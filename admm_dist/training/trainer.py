@@ -88,6 +88,7 @@ class Trainer:
         self.fit_digest: Optional[str] = None   # content of the first fit set (fingerprint)
         self.dev_encoded: Dict[int, list] = {}  # each node's held-out share, tokenized once
         self.best: Optional[BestRound] = None
+        self.collected_under: Optional[List[torch.Tensor]] = None   # each local node's state at the last re-collection
         self.tracked_dw: Optional[Tuple[int, float]] = None   # (round, delta_w_rel of z_0) track() logged
         self.t_start = time.time()
 
@@ -163,11 +164,15 @@ class Trainer:
             self.fit_digest = fs.content_key(f)
         return f
 
-    def recollect(self, collection: int) -> None:
-        """Fresh queries, each seat under the state it deploys (:func:`deploy.deployed_states`);
-        under ``kl_ref collect`` that state becomes its node's KL reference. The held-out set
-        stays the first collection's: every example of this one is trained on."""
-        states = deploy.deployed_states(self.cfg, self.engine, self.comm, len(self.nodes))
+    def recollect(self, collection: int, vectors: Optional[List[torch.Tensor]] = None) -> None:
+        """Fresh queries, each seat under the state it deploys (:mod:`deploy`): now, or as a
+        resumed checkpoint kept it (``vectors``, one per local node); under ``kl_ref collect`` that
+        state becomes its node's KL reference. The held-out set stays the first collection's:
+        every example of this one is trained on."""
+        if vectors is None:
+            vectors = deploy.node_vectors(self.cfg, self.engine, len(self.nodes))
+        self.collected_under = vectors        # kept in every checkpoint until the next collection
+        states = deploy.seat_states(self.cfg, self.comm, vectors)
         self.shards, _ = self.shard(self.collect(collection, states), hold_out=False)
         if self.cfg.kl_ref == "collect":
             self.ref_vecs = deploy.kl_references(self.cfg, states, self.nodes)
@@ -346,7 +351,7 @@ class Trainer:
     def checkpoint(self, root: str) -> None:
         resume.save_round(root, engine=self.engine, comm=self.comm, nodes=self.nodes, state=self.state,
                           param=self.adapter.param, fingerprint=self.fingerprint, report=self.report,
-                          best=self.best, keep=self.cfg.keep_checkpoints,
+                          best=self.best, collected_under=self.collected_under, keep=self.cfg.keep_checkpoints,
                           resumable={k: getattr(self.cfg, k) for k in RESUMABLE}, faults=self.faults)
 
     def try_resume(self) -> None:

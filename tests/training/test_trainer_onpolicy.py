@@ -132,27 +132,33 @@ def test_kl_ref_collect_follows_the_policy_of_each_collection(tmp_path):
     assert all(torch.equal(v, z1) for v in t.refs[n:])
 
 
-def test_the_held_out_set_is_the_first_collections_for_the_whole_run(tmp_path):
-    """dev_frac with re-collection: the held-out examples come from the first collection and
-    stay the same for every round (held-out NLL compared across rounds, as ``-best`` does, must be
-    on one set); later collections train on all their examples. A run preempted after round 1
-    and resumed (which collects again from the checkpoint) measures on the same set."""
+def test_a_run_preempted_between_collections_resumes_bit_for_bit(tmp_path):
+    """Re-collection every 2 rounds, preempted after round 3 (one round past collection 1) and
+    resumed: the resume collects again under the states collection 1 ran under (round 2's,
+    kept in the checkpoint), not round 3's, so its fit set, its KL references (kl_ref collect)
+    and every result are the uninterrupted run's. With dev_frac the held-out examples are the
+    first collection's for the whole run (every round's held-out NLL, which -best compares,
+    is measured on one set); later collections train on all their examples."""
     from admm_dist.engine.dist import distributed
     from admm_dist.engine.preemption import Preempted, PreemptionFlag
 
-    kw = dict(k_outer=2, recollect_every=1, dev_frac=0.25, fitset_cache=str(tmp_path / "first.jsonl"))
+    kw = dict(k_outer=4, recollect_every=2, kl_ref="collect", dev_frac=0.25,
+              fitset_cache=str(tmp_path / "first.jsonl"))
     clean = train_local(_cfg(tmp_path / "clean", **kw))
-    assert clean["dev_held_out"] > 0 and [p["round"] for p in clean["dev_curve"]] == [1, 2]
+    assert clean["dev_held_out"] > 0 and [p["round"] for p in clean["dev_curve"]] == [1, 2, 3, 4]
 
-    class PreemptedInRoundOne(Trainer):     # SIGUSR2 during round 1: it stops after round 1
+    class PreemptedInRoundThree(Trainer):     # SIGUSR2 during round 3: it stops after round 3
         def on_round(self, rec):
             super().on_round(rec)
-            self.preempt.noted = True
+            self.preempt.noted = rec.round == 3
 
     with distributed("cpu", timeout_s=120) as ctx, pytest.raises(Preempted):
-        PreemptedInRoundOne(_cfg(tmp_path / "cut", **kw), ctx, preempt=PreemptionFlag()).train()
+        PreemptedInRoundThree(_cfg(tmp_path / "cut", **kw), ctx, preempt=PreemptionFlag()).train()
     resumed = train_local(_cfg(tmp_path / "cut", resume="auto", **kw))
-    assert resumed["resumed"]["after_round"] == 1
+    assert resumed["resumed"]["after_round"] == 3
+    again, then = resumed["collections"][-1], clean["collections"][-1]    # collection 1, made again
+    assert again["collection"] == then["collection"] == 1
+    assert {k: v for k, v in again.items() if "sec" not in k} == {k: v for k, v in then.items() if "sec" not in k}
     assert resumed["dev_curve"] == clean["dev_curve"] and resumed["best"] == clean["best"]
     assert resumed["dev_held_out"] == clean["dev_held_out"]
     for suffix in ("-best.safetensors", "-last.safetensors"):
@@ -184,15 +190,16 @@ def _launch_cli(tmp, nproc, monkeypatch, restarts=0, fault=None, **kw):
 
 @pytest.mark.slow   # collection on 4 ranks; the default suite's test_killed_rank_resumes_bit_for_bit covers resume
 def test_killed_rank_resumes_and_recollects_bit_for_bit(tmp_path, monkeypatch, capfd):
-    """A rank dies after round 2; the restart re-collects round 2's fresh queries from the
-    checkpointed z (the same z gives the same rollouts) and ends with the same z."""
-    kw = dict(k_outer=3, recollect_every=2, anchors=4, group=3)
+    """A rank dies after round 3, one round past collection 1; the restart collects round 2's
+    fresh queries again under round 2's z (kept in round 3's checkpoint: the same z gives the
+    same rollouts) and ends with the same z."""
+    kw = dict(k_outer=4, recollect_every=2, anchors=4, group=3)
     assert _launch_cli(tmp_path / "clean", 4, monkeypatch, **kw) == {r: 0 for r in range(4)}
     capfd.readouterr()
-    hurt = _launch_cli(tmp_path / "hurt", 4, monkeypatch, restarts=1, fault="2:1", resume="auto", **kw)
+    hurt = _launch_cli(tmp_path / "hurt", 4, monkeypatch, restarts=1, fault="3:1", resume="auto", **kw)
     assert hurt == {r: 1 for r in range(4)}                      # it did die and every rank restarted
     text = "".join(capfd.readouterr())
-    assert "continuing after round 2" in text
+    assert "continuing after round 3" in text
     assert text.count("collection 1:") == 2    # before the kill and after
     a = load_file(str(tmp_path / "clean" / "run-last.safetensors"))
     b = load_file(str(tmp_path / "hurt" / "run-last.safetensors"))
