@@ -110,6 +110,10 @@ def shard(cfg: TrainConfig, f: fs.FitSet, nodes: Sequence[int], report: TrainRep
     if cfg.dev_frac > 0 and hold_out:
         per_seat, dev = pt.split_dev(per_seat, cfg.dev_frac, cfg.seed)
         report.dev_held_out = len(dev)
+        if cfg.recollect_every:
+            talk("note: dev_frac with recollect_every: -best is the round with the lowest NLL on the first "
+                 "collection's held-out examples, which later collections move away from (on the stand-in "
+                 "it was an early round and 17 points below -last: docs/benchmarks.md); deploy -last")
     parts = pt.partition(per_seat, mode=cfg.partition, n_partitions=cfg.n_partitions,
                          pooled=cfg.pooled)
     report.node_sizes = [len(p) for p in parts]
