@@ -55,6 +55,9 @@ def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: 
                 "adam_step": float(opt_state["step"]) if "step" in opt_state else 0.0,
                 "sampler": st.sampler.state_dict() if st.sampler else None, "history": history,
                 "dev_curve": report.get("dev_curve", []),
+                # what the report says of the collections so far (a resume makes only the last again)
+                "collections": report.get("collections", []),
+                "anchor_keys_all": report.get("anchor_keys_all", []),
                 "rho": engine.state_dict()["rho"],
                 "best": None if best is None else best.meta(),
                 "resumable": dict(resumable),
@@ -109,6 +112,18 @@ def agreed_round(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int], r
     return agreed
 
 
+def restore_collections(report: TrainReport, meta: Dict, upto: Optional[int]) -> None:
+    """The report's record of the collections before collection ``upto`` (all of them when
+    None) and of every query trained on, from a checkpoint's meta (absent: an older checkpoint,
+    and the report keeps what this attempt collected)."""
+    if meta.get("collections"):
+        report.collections = [c for c in meta["collections"] if upto is None or c.get("collection", 0) < upto]
+    if meta.get("anchor_keys_all"):
+        report.anchor_keys_all = []
+        report.add_anchor_keys(list(meta["anchor_keys_all"]))
+        report.anchor_keys = list(report.anchor_keys_all)
+
+
 def restore_round(cfg: TrainConfig, agreed: int, *, engine: "ADMMEngine", nodes: Sequence[int],
                   state: Dict[int, NodeState], param: torch.Tensor, fingerprint: str, device,
                   report: TrainReport, recollect: Callable[..., None]) -> Optional[BestRound]:
@@ -138,6 +153,7 @@ def restore_round(cfg: TrainConfig, agreed: int, *, engine: "ADMMEngine", nodes:
                               f"{str(e).splitlines()[0] if str(e) else ''}): delete that round folder to "
                               "resume from the one before") from None
     every = cfg.recollect_every
+    restore_collections(report, loaded[nodes[0]][1], agreed // every if every else None)
     if every and agreed >= every and agreed < cfg.k_outer:
         kept = [loaded[node][0].get(COLLECTED_UNDER) for node in nodes]
         if any(v is None for v in kept) and agreed % every:

@@ -133,32 +133,38 @@ def test_kl_ref_collect_follows_the_policy_of_each_collection(tmp_path):
 
 
 def test_a_run_preempted_between_collections_resumes_bit_for_bit(tmp_path):
-    """Re-collection every 2 rounds, preempted after round 3 (one round past collection 1) and
-    resumed: the resume collects again under the states collection 1 ran under (round 2's,
-    kept in the checkpoint), not round 3's, so its fit set, its KL references (kl_ref collect)
-    and every result are the uninterrupted run's. With dev_frac the held-out examples are the
-    first collection's for the whole run (every round's held-out NLL, which -best compares,
-    is measured on one set); later collections train on all their examples."""
+    """Re-collection every 2 rounds, preempted after round 5 (one round past collection 2) and
+    resumed: the resume collects again under the states collection 2 ran under (round 4's,
+    kept in the checkpoint), not round 5's, so its fit set, its KL references (kl_ref collect)
+    and every result are the uninterrupted run's, and its report lists every collection
+    (collection 1's too, made only by the first attempt) and every query trained on. With
+    dev_frac the held-out examples are the first collection's for the whole run (every round's
+    held-out NLL, which -best compares, is measured on one set)."""
     from admm_dist.engine.dist import distributed
     from admm_dist.engine.preemption import Preempted, PreemptionFlag
 
-    kw = dict(k_outer=4, recollect_every=2, kl_ref="collect", dev_frac=0.25,
-              fitset_cache=str(tmp_path / "first.jsonl"))
-    clean = train_local(_cfg(tmp_path / "clean", **kw))
-    assert clean["dev_held_out"] > 0 and [p["round"] for p in clean["dev_curve"]] == [1, 2, 3, 4]
+    kw = dict(k_outer=6, recollect_every=2, kl_ref="collect", dev_frac=0.25, anchors=4, group=3)
+    clean = train_local(_cfg(tmp_path / "clean", fitset_cache=str(tmp_path / "clean.jsonl"), **kw))
+    assert clean["dev_held_out"] > 0 and [p["round"] for p in clean["dev_curve"]] == [1, 2, 3, 4, 5, 6]
 
-    class PreemptedInRoundThree(Trainer):     # SIGUSR2 during round 3: it stops after round 3
+    class PreemptedInRoundFive(Trainer):     # SIGUSR2 during round 5: it stops after round 5
         def on_round(self, rec):
             super().on_round(rec)
-            self.preempt.noted = rec.round == 3
+            self.preempt.noted = rec.round == 5
 
     with distributed("cpu", timeout_s=120) as ctx, pytest.raises(Preempted):
-        PreemptedInRoundThree(_cfg(tmp_path / "cut", **kw), ctx, preempt=PreemptionFlag()).train()
-    resumed = train_local(_cfg(tmp_path / "cut", resume="auto", **kw))
-    assert resumed["resumed"]["after_round"] == 3
-    again, then = resumed["collections"][-1], clean["collections"][-1]    # collection 1, made again
-    assert again["collection"] == then["collection"] == 1
-    assert {k: v for k, v in again.items() if "sec" not in k} == {k: v for k, v in then.items() if "sec" not in k}
+        PreemptedInRoundFive(_cfg(tmp_path / "cut", fitset_cache=str(tmp_path / "cut.jsonl"), **kw), ctx,
+                             preempt=PreemptionFlag()).train()
+    # the first attempt wrote its first collection to cut.jsonl: the resume reads it from there
+    resumed = train_local(_cfg(tmp_path / "cut", fitset_cache=str(tmp_path / "cut.jsonl"), resume="auto", **kw))
+    assert resumed["resumed"]["after_round"] == 5
+
+    def figures(report):      # each collection's record but its timing
+        return [{k: v for k, v in c.items() if "sec" not in k} for c in report["collections"]]
+
+    assert [c["collection"] for c in resumed["collections"]] == [0, 1, 2]
+    assert figures(resumed) == figures(clean)
+    assert resumed["anchor_keys"] == clean["anchor_keys"] and len(set(clean["anchor_keys"])) == 4 * 3
     assert resumed["dev_curve"] == clean["dev_curve"] and resumed["best"] == clean["best"]
     assert resumed["dev_held_out"] == clean["dev_held_out"]
     for suffix in ("-best.safetensors", "-last.safetensors"):
