@@ -113,9 +113,9 @@ def agreed_round(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int], r
 
 
 def restore_collections(report: TrainReport, meta: Dict, upto: Optional[int]) -> None:
-    """The report's record of the collections before collection ``upto`` (all of them when
-    None) and of every query trained on, from a checkpoint's meta (absent: an older checkpoint,
-    and the report keeps what this attempt collected)."""
+    """The report's record of the collections before collection ``upto`` (the one the resume
+    makes again; all of them when None) and of every query trained on, from a checkpoint's meta
+    (absent: an older checkpoint, and the report keeps what this attempt collected)."""
     if meta.get("collections"):
         report.collections = [c for c in meta["collections"] if upto is None or c.get("collection", 0) < upto]
     if meta.get("anchor_keys_all"):
@@ -153,15 +153,16 @@ def restore_round(cfg: TrainConfig, agreed: int, *, engine: "ADMMEngine", nodes:
                               f"{str(e).splitlines()[0] if str(e) else ''}): delete that round folder to "
                               "resume from the one before") from None
     every = cfg.recollect_every
-    restore_collections(report, loaded[nodes[0]][1], agreed // every if every else None)
-    if every and agreed >= every and agreed < cfg.k_outer:
+    again = agreed // every if every and every <= agreed < cfg.k_outer else None   # the collection made again
+    restore_collections(report, loaded[nodes[0]][1], again)
+    if again is not None:
         kept = [loaded[node][0].get(COLLECTED_UNDER) for node in nodes]
         if any(v is None for v in kept) and agreed % every:
-            raise CheckpointError(f"checkpoint {where} lacks the states of collection {agreed // every} "
-                                  f"(written by an older admm_dist): resume from round {agreed // every * every} "
+            raise CheckpointError(f"checkpoint {where} lacks the states of collection {again} "
+                                  f"(written by an older admm_dist): resume from round {again * every} "
                                   "by deleting the round folders after it, or start again with overwrite=true")
         # none kept: round `agreed` ends a collection's rounds, and its states are the collection's
-        recollect(agreed // every, None if any(v is None for v in kept) else [v.to(device) for v in kept])
+        recollect(again, None if any(v is None for v in kept) else [v.to(device) for v in kept])
     best: Optional[BestRound] = None
     for node, (tensors, meta) in loaded.items():
         st = state[node]
