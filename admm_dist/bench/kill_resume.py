@@ -203,10 +203,10 @@ def resumed_after(log_path: str) -> Optional[int]:
 
 def killed_ranks(log_path: str) -> List[int]:
     """The local ranks torchrun reported ended by SIGKILL: the planned fault fired on the rank
-    holding the node (:func:`admm_dist.engine.comm.placement.owners`). torchrun names its first observed failure in
-    one line (``failed (exitcode: -9) local_rank: R``) and every failed rank in its summary
-    (``local_rank: R)`` then ``exitcode  : -9``); the killed rank need not be the first observed,
-    since its peers fail within milliseconds of it."""
+    holding the node (:func:`admm_dist.engine.comm.placement.owners`). torchrun names its first
+    observed failure in one line (``failed (exitcode: -9) local_rank: R``) and every failed rank
+    in its summary (``local_rank: R)`` then ``exitcode  : -9``); the killed rank need not be the
+    first observed, since its peers fail within milliseconds of it."""
     out = []
     rank = None
     with open(log_path, errors="replace") as fh:
