@@ -197,7 +197,7 @@ def test_a_seeds_fit_set_of_other_settings_stops_the_run_in_one_line(tmp_path, c
 def test_select_best_deploys_the_round_with_the_lowest_held_out_nll(tmp_path):
     from admm_dist.bench.fidelity_run import ARM_BY_NAME, base_config, score_rows
 
-    argv = ["--seeds", "3", "--arms", REFERENCE, "--eval_n", "8", "--samples", "0", "--workdir", str(tmp_path / "w"),
+    argv = ["--seeds", "3", "--arms", REFERENCE, "--eval_n", "4", "--samples", "0", "--workdir", str(tmp_path / "w"),
             "--json", str(tmp_path / "b.json"), "--select", "best", *TINY, "recollect_every=1",
             "recollect_anchors=6", "dev_frac=0.25"]
     assert fidelity.main(argv) == 0
@@ -210,7 +210,7 @@ def test_select_best_deploys_the_round_with_the_lowest_held_out_nll(tmp_path):
     best = cfg.out + "-best.safetensors"
     # the rows the table scored are those of the -best file's adapter
     report = f"{cfg.report_dir}/{cfg.out.rsplit('/', 1)[1]}-train.json"
-    assert score_rows(args, cfg, ["--adapter", best, "--train_report", report], greedy_n=8, sampled_n=0)["greedy"] \
+    assert score_rows(args, cfg, ["--adapter", best, "--train_report", report], greedy_n=4, sampled_n=0)["greedy"] \
         == job["rows"]["greedy"]
     # the learning curve reads both rounds from their checkpoints
     assert [p["round"] for p in summary["curves"][REFERENCE]["points"]] == [1, 2]
