@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eta", type=float, default=0.05)
     p.add_argument("--local_only", action="store_true")
     p.add_argument("--no_dual", action="store_true")
+    p.add_argument("--shared_hessian", action="store_true",
+                   help="every node gets node 0's A, each its own b: one curvature, different optima "
+                        "(where --no_dual is exact too)")
     p.add_argument("--timeout_s", type=float, default=DEFAULT_TIMEOUT_S, help="bound on every collective")
     p.add_argument("--json", default=None, help="write the per-round telemetry here (rank 0)")
     p.add_argument("--quiet", action="store_true")
@@ -60,7 +63,8 @@ def _run(args) -> int:
         if ctx.env.is_distributed and args.nodes not in (None, n):
             raise UserError(f"--nodes {args.nodes} != world size {n}: drop --nodes or launch "
                             f"torchrun --nproc_per_node {args.nodes}")
-        problem = lsq.LeastSquares(n_nodes=n, dim=args.dim, rows=args.rows, seed=args.seed)
+        problem = lsq.LeastSquares(n_nodes=n, dim=args.dim, rows=args.rows, seed=args.seed,
+                                   shared_hessian=args.shared_hessian)
         x_star = problem.optimum()
         talk = ctx.rank == 0 and not args.quiet
 

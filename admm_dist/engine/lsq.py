@@ -34,6 +34,9 @@ class LeastSquares:
     rows: int = 48
     seed: int = 0
     hetero: float = 1.0  # how different the nodes' local optima are
+    # every node gets node 0's A (one Hessian A^T A for all), each its own b: the case where the
+    # penalty method (no_dual) is exact, so only different curvatures give the dual work to do
+    shared_hessian: bool = False
 
     def __post_init__(self) -> None:
         if self.n_nodes < 1 or self.dim < 1:
@@ -43,12 +46,18 @@ class LeastSquares:
                             "for a unique local optimum")
 
     def node_data(self, i: int):
-        g = torch.Generator().manual_seed(self.seed * LSQ_SALT + i)
-        a = torch.randn(self.rows, self.dim, generator=g, dtype=torch.float64) / math.sqrt(self.rows)
+        a, g = self._design(i)
         x_true = torch.randn(self.dim, generator=g, dtype=torch.float64)
         shift = self.hetero * torch.randn(self.dim, generator=g, dtype=torch.float64)
+        if self.shared_hessian:
+            a = self._design(0)[0]
         b = a @ (x_true + shift) + 0.01 * torch.randn(self.rows, generator=g, dtype=torch.float64)
         return a, b
+
+    def _design(self, i: int):
+        """Node i's A, and its generator, which then draws the rest of node i's share."""
+        g = torch.Generator().manual_seed(self.seed * LSQ_SALT + i)
+        return torch.randn(self.rows, self.dim, generator=g, dtype=torch.float64) / math.sqrt(self.rows), g
 
     def objective(self, i: int, x: torch.Tensor) -> float:
         a, b = self.node_data(i)

@@ -105,6 +105,26 @@ def test_no_dual_keeps_u_zero_and_converges_to_the_penalty_fixed_point():
     assert rel(z_fix, prob.optimum()) > 1e-3
 
 
+@pytest.mark.parametrize("rho", [0.1, 1.0])
+def test_no_dual_is_exact_when_every_node_has_the_same_hessian(rho):
+    # At the penalty fixed point H (x_i - a_i) + rho (x_i - z) = 0 with z = mean_i x_i; one H for
+    # every node makes the mean of x_i - z vanish only at z = mean_i a_i, the optimum. So the dual
+    # corrects the spread of the nodes' curvatures, not of their local optima.
+    one = LeastSquares(n_nodes=4, dim=8, rows=12, seed=2, shared_hessian=True)
+    assert all(torch.equal(one.node_data(i)[0], one.node_data(0)[0]) for i in range(4))
+    assert rel(one.local_optimum(1), one.local_optimum(0)) > 0.5     # different local optima
+    many = LeastSquares(n_nodes=4, dim=8, rows=12, seed=2)
+    assert torch.equal(many.node_data(0)[0], one.node_data(0)[0])
+    for prob, biased in ((one, False), (many, True)):
+        x_star = prob.optimum()
+        ring, _ = solve(prob, consensus="ring", rho=rho, rounds=300, backend="local")
+        penalty, _ = solve(prob, consensus="ring", rho=rho, rounds=300, no_dual=True, backend="local")
+        assert rel(ring.z[0], x_star) <= 1e-5
+        assert (rel(penalty.z[0], x_star) > 1e-2) == biased, (rho, biased)
+        if not biased:
+            assert rel(penalty.z[0], x_star) <= 1e-5
+
+
 def test_pooled_single_node_is_a_proximal_method_with_u_zero():
     prob = LeastSquares(n_nodes=1, dim=8, rows=12, seed=6)
     engine, hist = solve(prob, consensus="ring", rho=0.1, rounds=80, backend="local")
