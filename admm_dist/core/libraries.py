@@ -1,5 +1,8 @@
-"""Third-party libraries kept quiet: stderr is for our own one-line messages."""
+"""Third-party libraries: kept quiet (stderr is for our own one-line messages), and the one test of
+whether the optional vLLM is here."""
 from __future__ import annotations
+
+import importlib.util
 
 
 def quiet_libraries() -> None:
@@ -11,3 +14,8 @@ def quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers|peft")
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported here (without importing it: a broken install fails at engine start)."""
+    return importlib.util.find_spec("vllm") is not None

@@ -71,7 +71,6 @@ projections (``lora_target_modules``), because vLLM's LoRA wrapper of the LM hea
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -83,6 +82,7 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from admm_dist.core.errors import UserError
+from admm_dist.core.libraries import vllm_installed
 from admm_dist.mas.generate import Generation, stop_ids
 from admm_dist.mas.vllm_lora import MAX_STATES, LoRAStates
 
@@ -104,7 +104,7 @@ class VLLMBackendError(UserError):
 
 def require_vllm() -> None:
     """Fail before any weights load when vLLM is missing (a broken install fails at engine start)."""
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         raise VLLMBackendError(f"{INSTALL_HINT} (vLLM is not installed in this environment)")
 
 

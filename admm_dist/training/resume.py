@@ -157,12 +157,13 @@ def restore_round(cfg: TrainConfig, agreed: int, *, engine: "ADMMEngine", nodes:
     restore_collections(report, loaded[nodes[0]][1], again)
     if again is not None:
         kept = [loaded[node][0].get(COLLECTED_UNDER) for node in nodes]
-        if any(v is None for v in kept) and agreed % every:
+        missing = any(v is None for v in kept)
+        if missing and agreed % every:
             raise CheckpointError(f"checkpoint {where} lacks the states of collection {again} "
                                   f"(written by an older admm_dist): resume from round {again * every} "
                                   "by deleting the round folders after it, or start again with overwrite=true")
         # none kept: round `agreed` ends a collection's rounds, and its states are the collection's
-        recollect(again, None if any(v is None for v in kept) else [v.to(device) for v in kept])
+        recollect(again, None if missing else [v.to(device) for v in kept])
     best: Optional[BestRound] = None
     for node, (tensors, meta) in loaded.items():
         st = state[node]
