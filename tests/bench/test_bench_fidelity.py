@@ -13,11 +13,11 @@ from admm_dist.bench.fidelity_stats import crossed_bootstrap, format_table
 
 from conftest import REPO
 
-TINY = ["anchors=12", "group=4", "k_outer=2", "local_steps=2", "gen_chunk=6", "max_new_tokens=12"]
+TINY = ["anchors=8", "group=4", "k_outer=2", "local_steps=2", "gen_chunk=8", "max_new_tokens=12"]
 # one arm of each kind (every arm trains through the same code, and tests/training checks each
 # one's numbers against the single-process run): the reference, one deployed per seat with
 # compressed exchange, the pooled one; and an ablation that the override below makes invalid.
-# recollect_every=1 with k_outer=2: a second collection (6 fresh queries), each arm's own, after round 1
+# recollect_every=1 with k_outer=2: a second collection (4 fresh queries), each arm's own, after round 1
 RUN = ("ADMM-ring", "ADMM-decentralized-int8", "Centralized")
 REFUSED = "ADMM-NoDual"
 
@@ -27,9 +27,9 @@ def bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fidelity")
     out = tmp / "b.json"
     png = tmp / "b.png"
-    argv = ["--seeds", "3", "--eval_n", "12", "--sampled_n", "8", "--samples", "2", "--boot", "200", "--jobs", "2",
+    argv = ["--seeds", "3", "--eval_n", "8", "--sampled_n", "4", "--samples", "2", "--boot", "200", "--jobs", "2",
             "--arms", ",".join((*RUN, REFUSED)), "--workdir", str(tmp / "work"), "--json", str(out),
-            "--png", str(png), *TINY, "rho_adapt=true", "recollect_every=1", "recollect_anchors=6"]
+            "--png", str(png), *TINY, "rho_adapt=true", "recollect_every=1", "recollect_anchors=4"]
     rc = fidelity.main(argv)
     return rc, json.loads(out.read_text()) if out.exists() else None, png, tmp, argv
 
@@ -61,21 +61,21 @@ def test_every_arm_asked_for_runs_and_writes_json_and_png(bench, capsys):
     first = {summary["arms"][name]["pass_rates"][0][0] for name in RUN}
     assert len(first) == 1                       # every arm started from the same collection
     assert summary["collection"][0]["mean_pass_rate"] in first   # the seed's shared one, not an arm's last
-    # greedy on the 12 front rows, sampled (2 chains a row) and the curve on the front 8 of them
+    # greedy on the 8 front rows, sampled (2 chains a row) and the curve on the front 4 of them
     work = tmp / "work"
     base_rows = json.loads((work / "base.json").read_text())["rows"]
-    assert len(base_rows["greedy"]) == 12 and len(base_rows["sampled"]) == 8
-    assert base_rows["sampled_anchors"] == base_rows["greedy_anchors"][:8]
-    assert summary["eval_n"] == 12 and summary["sampled_n"] == 8
+    assert len(base_rows["greedy"]) == 8 and len(base_rows["sampled"]) == 4
+    assert base_rows["sampled_anchors"] == base_rows["greedy_anchors"][:4]
+    assert summary["eval_n"] == 8 and summary["sampled_n"] == 4
     # the learning curve: each consensus arm's z after round 1 (one collection) and round 2 (two)
     curves = summary["curves"]
     assert set(curves) == {"ADMM-ring", "Centralized"}         # decentralized deploys per seat
     for name, c in curves.items():
         assert [p["round"] for p in c["points"]] == [1, 2] and [p["collections"] for p in c["points"]] == [1, 2]
-        assert c["rows"] == 8 and c["base"] == pytest.approx(sum(base_rows["greedy"][:8]) / 8)
+        assert c["rows"] == 4 and c["base"] == pytest.approx(sum(base_rows["greedy"][:4]) / 4)
         final = json.loads((work / f"seed3-{name}.json").read_text())["result"]["rows"]["greedy"]
         last = c["points"][-1]
-        assert last["accuracy"] == [pytest.approx(sum(final[:8]) / 8)]   # the -last adapter, front rows
+        assert last["accuracy"] == [pytest.approx(sum(final[:4]) / 4)]   # the -last adapter, front rows
         for p in c["points"]:
             assert p["gain"] == pytest.approx(p["mean"] - c["base"])
             assert p["gain_ci95"][0] <= p["gain"] + 1e-12 <= p["gain_ci95"][1] + 2e-12
@@ -89,12 +89,12 @@ def test_table_lists_every_arm(bench, capsys):
     _, summary, _, _, _ = bench
 
     class A:
-        samples, eval_n, sampled_n, arm_list = 2, 12, 8, [*RUN, REFUSED]
+        samples, eval_n, sampled_n, arm_list = 2, 8, 4, [*RUN, REFUSED]
     text = format_table(summary, A)
     for name in (BASE, *RUN, REFUSED):
         assert name in text
-    assert "greedy accuracy on 12 held-out rows" in text and "sampled accuracy on 8 held-out rows" in text
-    assert "after each collection's rounds on the front 8 rows" in text
+    assert "greedy accuracy on 8 held-out rows" in text and "sampled accuracy on 4 held-out rows" in text
+    assert "after each collection's rounds on the front 4 rows" in text
     greedy = text.split("greedy accuracy", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
     rows = {line.split()[0]: line for line in greedy}
     # the arm column fits the longest name: rows with the same figures have the same length
