@@ -51,6 +51,11 @@ NON_SEMANTIC = frozenset({
     "vllm_max_model_len", "vllm_kv_cache_gib", "vllm_gpu_memory_utilization",
     "report_to", "tracking_dir", "wandb_project", "wandb_mode",
 })
+# Paths of files the trainer fingerprints by their content (trainer.py): the checkpoint
+# fingerprint leaves the paths out, so a run whose fit set or initial state moved, or is named
+# by another path (relative, absolute), still resumes. Checkpoints written before 2026-12-05
+# hashed the paths too (``fingerprint(with_paths=True)``); they still resume.
+CONTENT_PATHS = frozenset({"fitset_cache", "init_state"})
 # Keys that change what is computed but may change when a run resumes (a step size that made the
 # iterates non-finite is lowered and the run continues): left out of the fingerprint, recorded in
 # every checkpoint, and a resumed run says which changed (docs/outputs.md).
@@ -353,10 +358,12 @@ class TrainConfig:
     def as_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def fingerprint(self) -> str:
-        """Hash of every setting that changes what is computed (for checkpoints)."""
+    def fingerprint(self, *, with_paths: bool = False) -> str:
+        """Hash of every setting that changes what is computed (for checkpoints), but the paths of
+        CONTENT_PATHS (``with_paths``: with them, as checkpoints before 2026-12-05 were written)."""
+        skip = NON_SEMANTIC if with_paths else NON_SEMANTIC | CONTENT_PATHS
         d = {k: v for k, v in self.as_dict().items()
-             if k not in NON_SEMANTIC and k not in RESUMABLE and FINGERPRINT_LATER.get(k, object()) != v}
+             if k not in skip and k not in RESUMABLE and FINGERPRINT_LATER.get(k, object()) != v}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

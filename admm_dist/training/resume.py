@@ -74,6 +74,18 @@ def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: 
     ckpt.prune(root, nodes, keep, fingerprint, upto=int(table[:, 0].min().item()))
 
 
+def written_under(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int],
+                  candidates: Sequence[str]) -> str:
+    """The fingerprint to resume under: the first of ``candidates`` (this version's, then how
+    earlier versions computed it for the same run) that a completed round of any rank carries;
+    the first when none does. Every rank gets the same answer."""
+    root = ckpt.ckpt_root(cfg.out)
+    rows = [[float(bool(ckpt.completed_rounds(root, [node], f))) for f in candidates] for node in nodes]
+    table = comm.gather_rows(torch.tensor(rows, dtype=torch.float64))
+    held = [j for j in range(len(candidates)) if table[:, j].max().item() > 0]
+    return candidates[held[0]] if held else candidates[0]
+
+
 def agreed_round(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int], rank: int,
                  fingerprint: str) -> int:
     """The last round every rank completed under this run's fingerprint (0: none)."""

@@ -68,6 +68,7 @@ class Trainer:
     ocfg: ObjectiveConfig
     init_vec: Optional[torch.Tensor]        # init_state, the warm start
     fingerprint: str                        # what a checkpoint must match to be this run's
+    fingerprints_before: Tuple[str, ...]    # the same run's, as earlier versions computed it
     # made by build_nodes()
     state: Dict[int, NodeState]
     engine: ADMMEngine
@@ -124,8 +125,9 @@ class Trainer:
             self.shards, self.dev_set = self.shard(self.collect(0, states))
         # What a checkpoint must match to be this run's: the settings that change what is
         # computed, the fit set's content (not its path) and the initial state's bytes.
-        self.fingerprint = fs.settings_key({"settings": cfg.fingerprint(), "fitset": self.fit_digest,
-                                            "init_state": pipeline.file_fingerprint(cfg.init_state)})[:16]
+        content = {"fitset": self.fit_digest, "init_state": pipeline.file_fingerprint(cfg.init_state)}
+        self.fingerprint = fs.settings_key({"settings": cfg.fingerprint(), **content})[:16]
+        self.fingerprints_before = (fs.settings_key({"settings": cfg.fingerprint(with_paths=True), **content})[:16],)
 
     def check_outputs(self) -> None:
         self.outputs.check(self.comm, len(self.nodes))
@@ -355,6 +357,8 @@ class Trainer:
                           resumable={k: getattr(self.cfg, k) for k in RESUMABLE}, faults=self.faults)
 
     def try_resume(self) -> None:
+        self.fingerprint = resume.written_under(self.cfg, self.comm, self.nodes,
+                                                (self.fingerprint, *self.fingerprints_before))
         agreed = resume.agreed_round(self.cfg, self.comm, self.nodes, self.rank, self.fingerprint)
         if agreed == 0:
             self.talk("resume auto: no complete checkpoint on every rank; starting from round 0")

@@ -93,6 +93,54 @@ def test_the_fingerprint_follows_the_fit_sets_content_not_its_path(assets, tmp_p
     assert _run(capsys, assets, tmp_path, fitset_cache=path, k_outer=3, resume="auto")[0] == 0
 
 
+def _resumed_after(tmp):
+    with open(tmp / "reports" / "run-train.json") as fh:
+        return json.load(fh)["resumed"]["after_round"]
+
+
+def test_a_moved_fit_set_and_a_checkpoint_of_an_earlier_version_resume(assets, tmp_path, capsys):
+    """The fit set at another path (moved, or named relative instead of absolute) with the same
+    content resumes the run; so does a checkpoint whose fingerprint an earlier version computed
+    with the fit set's path in it, and the run goes on writing under that fingerprint."""
+    import hashlib
+    import shutil
+
+    from admm_dist.core import config_file
+    from admm_dist.data import fitset as fs
+    from admm_dist.training.config import FINGERPRINT_LATER, NON_SEMANTIC, RESUMABLE, TrainConfig
+
+    first, moved = tmp_path / "a" / "fit.jsonl", tmp_path / "b" / "fit.jsonl"
+    first.parent.mkdir()
+    moved.parent.mkdir()
+    shutil.copy(assets["fit"], first)
+    assert _run(capsys, assets, tmp_path, fitset_cache=str(first))[0] == 0
+    shutil.move(first, moved)
+    rc, err = _run(capsys, assets, tmp_path, fitset_cache=str(moved), k_outer=3, resume="auto")
+    assert rc == 0, err
+    assert _resumed_after(tmp_path) == 2
+    # the fingerprint as it was computed before 2026-12-05: every semantic setting, paths included
+    cfg = config_file.load(TrainConfig, _args(assets, tmp_path, fitset_cache=str(moved)))
+    semantic = {k: v for k, v in cfg.as_dict().items()
+                if k not in NON_SEMANTIC and k not in RESUMABLE and FINGERPRINT_LATER.get(k, object()) != v}
+    settings = hashlib.sha256(json.dumps(semantic, sort_keys=True).encode()).hexdigest()[:16]
+    before = fs.settings_key({"settings": settings, "fitset": fs.content_key(load_fitset(str(moved))),
+                              "init_state": "none"})[:16]
+    root = str(tmp_path / "runs" / "run.ckpt")
+    for k in ckpt.all_rounds(root):
+        for node in range(N):
+            with open(os.path.join(ckpt.round_dir(root, k), f"node-{node}.json")) as fh:
+                now = json.load(fh)["fingerprint"]
+            assert now != before
+            tensors, meta = ckpt.load_node(root, k, node, now)
+            meta = {key: v for key, v in meta.items() if key not in ("round", "node", "tensors_sha256", "meta_sha256")}
+            ckpt.save_node(root, k, node, tensors, dict(meta, fingerprint=before))
+    rc, err = _run(capsys, assets, tmp_path, fitset_cache=str(moved), k_outer=4, resume="auto")
+    assert rc == 0, err
+    assert _resumed_after(tmp_path) == 3
+    with open(os.path.join(ckpt.round_dir(root, 4), "node-0.json")) as fh:
+        assert json.load(fh)["fingerprint"] == before
+
+
 def test_refused_and_diverged_runs_keep_the_earlier_result_and_report(assets, tmp_path, capsys):
     assert _run(capsys, assets, tmp_path)[0] == 0
     last, report = tmp_path / "runs" / "run-last.safetensors", tmp_path / "reports" / "run-train.json"

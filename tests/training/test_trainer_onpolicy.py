@@ -155,6 +155,7 @@ def test_a_run_preempted_between_collections_resumes_bit_for_bit(tmp_path):
     with distributed("cpu", timeout_s=120) as ctx, pytest.raises(Preempted):
         PreemptedInRoundFive(_cfg(tmp_path / "cut", fitset_cache=str(tmp_path / "cut.jsonl"), **kw), ctx,
                              preempt=PreemptionFlag()).train()
+    _refuses_an_older_checkpoint_without_the_states(tmp_path, kw)
     # the first attempt wrote its first collection to cut.jsonl: the resume reads it from there
     resumed = train_local(_cfg(tmp_path / "cut", fitset_cache=str(tmp_path / "cut.jsonl"), resume="auto", **kw))
     assert resumed["resumed"]["after_round"] == 5
@@ -171,6 +172,36 @@ def test_a_run_preempted_between_collections_resumes_bit_for_bit(tmp_path):
         a = load_file(str(tmp_path / "clean" / "run") + suffix)
         b = load_file(str(tmp_path / "cut" / "run") + suffix)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), suffix
+
+
+def _refuses_an_older_checkpoint_without_the_states(tmp_path, kw):
+    """A copy of the preempted run whose round-5 files are what an older admm_dist wrote (no
+    ``collected_under``) cannot collect again as the run did: one line naming round 4, the last
+    collection's boundary; resuming from there, as it says, goes on."""
+    import shutil
+
+    from admm_dist.training import checkpoint as ckpt
+    from admm_dist.training.checkpoint import CheckpointError
+    from admm_dist.training.resume import COLLECTED_UNDER
+
+    shutil.copytree(tmp_path / "cut", tmp_path / "old", ignore=shutil.ignore_patterns("rep"))   # the run's files, not its report
+    shutil.copy(tmp_path / "cut.jsonl", tmp_path / "old.jsonl")
+    root = ckpt.ckpt_root(str(tmp_path / "old" / "run"))
+    five = ckpt.round_dir(root, 5)
+    for name in sorted(os.listdir(five)):
+        if name.endswith(".json"):
+            node = int(name[len("node-"):-len(".json")])
+            with open(os.path.join(five, name)) as fh:
+                meta = json.load(fh)
+            tensors = load_file(os.path.join(five, f"node-{node}.safetensors"))
+            assert tensors.pop(COLLECTED_UNDER) is not None
+            meta = {k: v for k, v in meta.items() if k not in ("round", "node", "tensors_sha256", "meta_sha256")}
+            ckpt.save_node(root, 5, node, tensors, meta)
+    cfg = _cfg(tmp_path / "old", fitset_cache=str(tmp_path / "old.jsonl"), resume="auto", **kw)
+    with pytest.raises(CheckpointError, match=r"lacks the states of collection 2 .*resume from round 4 by deleting"):
+        train_local(cfg)
+    shutil.rmtree(five)
+    assert train_local(cfg)["resumed"]["after_round"] == 4
 
 
 def test_collection_errors_are_one_line(tmp_path):
