@@ -75,6 +75,7 @@ from admm_dist.bench.fidelity_run import (
     BASE,
     COLLECT,
     DEFAULT_ARMS,
+    REFERENCE,
     SELECTIONS,
     BenchError,
     arm_job,
@@ -111,6 +112,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a("--select", choices=SELECTIONS, default="last",
       help="which file the consensus arms deploy: last (z after the last round) or best (the round "
            "with the lowest held-out NLL: needs dev_frac, e.g. dev_frac=0.1)")
+    a("--versus", default=REFERENCE, metavar="ARM",
+      help=f"the arm the 'vs' column subtracts, paired per row (default {REFERENCE}); with --reuse, "
+           "any pair of arms already run, e.g. --versus Centralized")
     a("--boot", type=int, default=2000, help="bootstrap resamples for the intervals")
     a("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     a("--threads", type=int, default=1, help="torch threads per worker")
@@ -132,6 +136,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     bad = [a for a in args.arm_list if a not in ARM_NAMES]
     if bad or not args.arm_list:
         raise BenchError(f"--arms: unknown arm(s) {bad}: choose from {', '.join(ARM_NAMES)}")
+    if args.versus not in args.arm_list:
+        raise BenchError(f"--versus {args.versus}: the arm compared against must run too: add it to --arms")
     if args.sampled_n is None:
         args.sampled_n = min(SAMPLED_N, args.eval_n)
     for name in ("eval_n", "sampled_n", "boot", "jobs", "threads"):

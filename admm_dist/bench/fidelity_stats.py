@@ -53,7 +53,8 @@ def t_interval(values: Sequence[float]):
 def summarize(args, base: dict, seeds: List[dict]) -> Dict[str, object]:
     """The benchmark's JSON: per arm and mode, per-seed accuracy, mean, gain and intervals."""
     modes = [m for m in ("greedy", "sampled") if m in base["rows"]]
-    out: Dict[str, object] = {"modes": {}, "arms": {}, "seeds": [s["seed"] for s in seeds]}
+    out: Dict[str, object] = {"modes": {}, "arms": {}, "seeds": [s["seed"] for s in seeds],
+                              "versus": args.versus}
     for mode in modes:
         b = base["rows"][mode]
         table = {BASE: {"accuracy": [sum(b) / len(b)] * len(seeds), "mean": sum(b) / len(b)}}
@@ -77,10 +78,11 @@ def summarize(args, base: dict, seeds: List[dict]) -> Dict[str, object]:
                            "gain_ci95": list(crossed_bootstrap(d, args.boot)),
                            "gain_ci95_seeds_t": t_interval(gains),
                            "wins": sum(g > 0 for g in gains)}
-        if REFERENCE in rows_of:
-            ref = rows_of[REFERENCE]
+        versus = args.versus
+        if versus in rows_of:
+            ref = rows_of[versus]
             for name, rows in rows_of.items():
-                if name == REFERENCE:
+                if name == versus:
                     continue
                 d = [[y - x for y, x in zip(r, q)] for r, q in zip(rows, ref)]
                 diff = [sum(r) / len(r) for r in d]
@@ -135,13 +137,16 @@ def format_table(summary: Dict[str, object], args) -> str:
     lines = []
     seeds = summary["seeds"]
     w = _name_width([BASE, *args.arm_list])
+    versus = summary.get("versus", REFERENCE)
+    vs = "vs " + ("ring" if versus == REFERENCE else versus)
+    vw = max(9, len(vs) + 2)
     for mode, table in summary["modes"].items():
         how = "greedy" if mode == "greedy" else f"sampled, {args.samples} chains a row"
         n = args.eval_n if mode == "greedy" else args.sampled_n
         lines.append(f"\n{mode} accuracy on {n} held-out rows ({how}); gain = arm - base, "
                      f"95% CI over seeds and rows")
         head = f"{'arm':<{w}}" + "".join(f"{'s' + str(s):>7}" for s in seeds) + \
-            f"{'mean':>8}{'gain':>8}{'95% CI':>18}{'wins':>6}{'vs ring':>9}{'95% CI':>18}"
+            f"{'mean':>8}{'gain':>8}{'95% CI':>18}{'wins':>6}{vs:>{vw}}{'95% CI':>18}"
         lines.append(head)
         for name in [BASE] + list(args.arm_list):
             r = table.get(name)
@@ -157,7 +162,7 @@ def format_table(summary: Dict[str, object], args) -> str:
                 row += f"{r['gain']:+8.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>18}{r['wins']:>4}/{len(seeds)}"
                 if "minus_ref" in r:
                     lo, hi = r["minus_ref_ci95"]
-                    row += f"{r['minus_ref']:+9.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>18}"
+                    row += f"{r['minus_ref']:+{vw}.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>18}"
             lines.append(row)
     lines += _pass_rate_lines(summary, args, w)
     lines += _curve_lines(summary, w)

@@ -117,6 +117,26 @@ def test_reuse_gives_the_same_summary(bench, tmp_path):
     assert other["modes"] == summary["modes"]
 
 
+def test_versus_pairs_every_arm_with_the_arm_named(bench, tmp_path, capsys):
+    """--reuse --versus Centralized: the same jobs, the 'vs' column against Centralized."""
+    rc, summary, _, tmp, argv = bench
+    again = tmp / "versus.json"
+    argv = [a if a != str(tmp / "b.json") else str(again) for a in argv if a != str(tmp / "b.png")]
+    argv.remove("--png")
+    capsys.readouterr()
+    assert fidelity.main(argv + ["--reuse", "--versus", "Centralized"]) == 0
+    text = capsys.readouterr().out
+    other = json.loads(again.read_text())
+    assert summary["versus"] == REFERENCE and other["versus"] == "Centralized"
+    for mode, table in other["modes"].items():
+        assert "minus_ref" not in table["Centralized"]
+        for name in ("ADMM-ring", "ADMM-decentralized-int8"):
+            r = table[name]
+            assert r["minus_ref"] == pytest.approx(r["mean"] - table["Centralized"]["mean"])
+            assert r["gain"] == summary["modes"][mode][name]["gain"]           # the same jobs
+    assert "vs Centralized" in text and "vs ring" not in text
+
+
 def test_crossed_bootstrap_covers_the_mean_and_narrows_with_rows():
     rng = np.random.default_rng(0)
     d_small = rng.normal(0.1, 1.0, size=(3, 50))
@@ -139,6 +159,7 @@ def test_crossed_bootstrap_covers_the_mean_and_narrows_with_rows():
     (["no_such_key=1"], "no_such_key"),
     (["--config", "configs/nope.yaml"], "does not exist"),
     (["--select", "best"], "dev_frac"),
+    (["--arms", "ADMM-ring", "--versus", "Centralized"], "add it to --arms"),
 ])
 def test_bad_input_is_one_line(argv, msg, capsys):
     assert fidelity.main(argv + ["--workdir", "/nonexistent/never"]) == 2
