@@ -116,7 +116,13 @@ def test_later_keys_have_one_source():
              and k not in train_config.RESUMABLE and not (k == "generation_backend" and v == "hf")
              and not (k == "compress" and v == "none") and not (k == "recollect_anchors" and v is None)}
         assert "prefix_samples" in d
+        # as checkpoints before 2026-12-05 were stamped; since then without the paths whose
+        # files the trainer fingerprints by content
+        assert cfg.fingerprint(with_paths=True) == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        d = {k: v for k, v in d.items() if k not in train_config.CONTENT_PATHS}
         assert cfg.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    assert TrainConfig(fitset_cache="a.jsonl").fingerprint() == TrainConfig(fitset_cache="/b/a.jsonl").fingerprint()
+    assert TrainConfig(init_state="a").fingerprint() == TrainConfig().fingerprint()
 
 
 # --------------------------------------------------------------------------- evaluate --config
