@@ -106,14 +106,14 @@ def score_curve(args, cfg, final_rows: List[float], report: str) -> Dict[str, ob
     rounds = curve_rounds(cfg)
     _, meta = load_vector(cfg.out + "-last.safetensors")
     rows = []
-    read = rounds if args.select != "last" else rounds[:-1]
-    for k in read:
+    final_is_last = args.select == "last"       # the deployed -last file was scored already
+    for k in rounds[:-1] if final_is_last else rounds:
         z = load_file(os.path.join(round_dir(ckpt_root(cfg.out), k), "node-0.safetensors"))["z"]
         path = f"{cfg.out}-round{k}.safetensors"
         save_vector(path, z, dict(meta, round=k))
         rows.append(score_rows(args, cfg, ["--adapter", path, "--train_report", report],
                                greedy_n=args.sampled_n, sampled_n=0)["greedy"])
-    if len(read) < len(rounds):
+    if final_is_last:
         rows.append(final_rows[:args.sampled_n])
     return {"rounds": rounds, "greedy": rows}
 

@@ -68,7 +68,7 @@ class Trainer:
     ocfg: ObjectiveConfig
     init_vec: Optional[torch.Tensor]        # init_state, the warm start
     fingerprint: str                        # what a checkpoint must match to be this run's
-    fingerprints_before: Tuple[str, ...]    # the same run's, as earlier versions computed it
+    fingerprint_before: str                 # the same run's, as versions before 2026-12-05 computed it
     # made by build_nodes()
     state: Dict[int, NodeState]
     engine: ADMMEngine
@@ -127,7 +127,7 @@ class Trainer:
         # computed, the fit set's content (not its path) and the initial state's bytes.
         content = {"fitset": self.fit_digest, "init_state": pipeline.file_fingerprint(cfg.init_state)}
         self.fingerprint = fs.settings_key({"settings": cfg.fingerprint(), **content})[:16]
-        self.fingerprints_before = (fs.settings_key({"settings": cfg.fingerprint(with_paths=True), **content})[:16],)
+        self.fingerprint_before = fs.settings_key({"settings": cfg.fingerprint(with_paths=True), **content})[:16]
 
     def check_outputs(self) -> None:
         self.outputs.check(self.comm, len(self.nodes))
@@ -358,7 +358,7 @@ class Trainer:
 
     def try_resume(self) -> None:
         self.fingerprint = resume.written_under(self.cfg, self.comm, self.nodes,
-                                                (self.fingerprint, *self.fingerprints_before))
+                                                (self.fingerprint, self.fingerprint_before))
         agreed = resume.agreed_round(self.cfg, self.comm, self.nodes, self.rank, self.fingerprint)
         if agreed == 0:
             self.talk("resume auto: no complete checkpoint on every rank; starting from round 0")
