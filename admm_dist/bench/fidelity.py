@@ -83,6 +83,7 @@ from admm_dist.bench.fidelity_run import (
     base_config,
     job_key,
     parse_job,
+    parse_seeds,
     refused_job,
     run_job,
     seed_jobs,
@@ -126,12 +127,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a("--job", default=None, help=argparse.SUPPRESS)      # internal: run one job in this process
     a("overrides", nargs="*", metavar="key=value", help="config overrides for every arm")
     args = p.parse_args(argv)
-    try:
-        args.seed_list = [int(s) for s in str(args.seeds).split(",") if s.strip()]
-    except ValueError:
-        raise BenchError(f"--seeds {args.seeds!r}: write integers separated by commas, e.g. 1,2,3") from None
-    if not args.seed_list or len(set(args.seed_list)) != len(args.seed_list):
-        raise BenchError(f"--seeds {args.seeds!r}: give at least one seed, each once")
+    args.seed_list = parse_seeds(args.seeds)
     args.arm_list = [s.strip() for s in str(args.arms).split(",") if s.strip()]
     bad = [a for a in args.arm_list if a not in ARM_NAMES]
     if bad or not args.arm_list:

@@ -64,6 +64,17 @@ class BenchError(UserError):
 
 
 # --------------------------------------------------------------------------- settings
+def parse_seeds(text: str) -> List[int]:
+    """``--seeds 1,2,3`` as a list, each seed once."""
+    try:
+        seeds = [int(s) for s in str(text).split(",") if s.strip()]
+    except ValueError:
+        raise BenchError(f"--seeds {text!r}: write integers separated by commas, e.g. 1,2,3") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise BenchError(f"--seeds {text!r}: give at least one seed, each once")
+    return seeds
+
+
 def base_config(args, seed: int, arm: Optional[Arm] = None, *, quiet: bool = True):
     from admm_dist.core import config_file as config_mod
     from admm_dist.training.config import TrainConfig

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from admm_dist.bench import fidelity
 from admm_dist.bench.fidelity_run import ARM_NAMES, BASE, REFERENCE
@@ -235,3 +236,30 @@ def test_select_best_deploys_the_round_with_the_lowest_held_out_nll(tmp_path):
         == job["rows"]["greedy"]
     # the learning curve reads both rounds from their checkpoints
     assert [p["round"] for p in summary["curves"][REFERENCE]["points"]] == [1, 2]
+
+
+def test_curvature_measures_the_trainers_objectives_at_a_rounds_z(bench, tmp_path, capsys):
+    """admm_dist.bench.curvature on this run's workdir: finite figures for every node with
+    examples, and finite differences that behave as a Hessian's products (symmetric)."""
+    from admm_dist.bench import curvature
+
+    _, _, _, tmp, _ = bench
+    work = str(tmp / "work")
+    with curvature.chain_point(work, 3, arm=REFERENCE, round_=1) as pt:
+        assert pt.nodes and len(pt.node_sizes) == 4 and float(pt.z.norm()) > 0   # z of round 1, trained
+        gen = torch.Generator().manual_seed(0)
+        u, v = (torch.randn(pt.z.numel(), generator=gen, dtype=torch.float64) for _ in range(2))
+        u, v = u / u.norm(), v / v.norm()
+        node = pt.nodes[0]
+        uhv = float(u @ curvature.hvp(pt.grad, node, pt.z, v, curvature.EPS))
+        vhu = float(v @ curvature.hvp(pt.grad, node, pt.z, u, curvature.EPS))
+        assert uhv == pytest.approx(vhu, rel=0.05, abs=1e-6)
+    out = tmp_path / "c.json"
+    argv = ["--workdir", work, "--seeds", "3", "--round", "1", "--probes", "1", "--lsq_rounds", "4",
+            "--json", str(out)]
+    assert curvature.main(argv) == 0
+    r = json.loads(out.read_text())["seeds"]["3"]
+    assert r["nodes"] == pt.nodes and r["gaps"] is None        # ADMM-NoDual was refused in this run
+    assert len(r["probes"]) == 1 + len(pt.nodes) and all(np.isfinite(p["kappa"]) for p in r["probes"])
+    assert 0 <= r["pooled"] <= 1
+    assert "seed 3, round 1" in capsys.readouterr().out
