@@ -55,7 +55,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from admm_dist.bench.common import write_json
-from admm_dist.bench.fidelity_run import ARM_NAMES, REFERENCE, BenchError, parse_seeds
+from admm_dist.bench.fidelity_run import ARM_NAMES, REFERENCE, BenchError, arm_job, arm_out, first_fitset, parse_seeds
 from admm_dist.core.errors import UserError
 
 Grad = Callable[[int, torch.Tensor], torch.Tensor]   # (node, x) -> grad f_i(x), full batch
@@ -146,10 +146,8 @@ class ChainPoint:
 def job_files(workdir: str, seed: int, arm: str, round_: int) -> Tuple[str, str, Optional[str]]:
     """The arm's config, the seed's first collection and z after ``round_`` (None for round 0)
     in a learning benchmark's workdir; a missing one stops the command in one line."""
-    seed_dir = os.path.join(workdir, f"seed{seed}")
-    job = os.path.join(seed_dir, arm.lower())
-    paths = (f"{job}/config.yaml", os.path.join(seed_dir, "fitset.jsonl"),
-             f"{job}-round{round_}.safetensors" if round_ else None)
+    job = arm_out(workdir, seed, arm)
+    paths = (f"{job}/config.yaml", first_fitset(workdir, seed), f"{job}-round{round_}.safetensors" if round_ else None)
     for path in filter(None, paths):
         if not os.path.exists(path):
             raise BenchError(f"{path} does not exist: run python -m admm_dist.bench.fidelity --workdir {workdir} "
@@ -213,8 +211,10 @@ def _gaps(workdir: str, seed: int, arm: str) -> Optional[Dict[str, List[float]]]
     """The arm's greedy accuracy minus ADMM-NoDual's after each collection (the benchmark's
     learning curve), in points, when the workdir holds both jobs."""
     try:
-        curves = [json.load(open(os.path.join(workdir, f"seed{seed}-{a}.json")))["result"]["curve"]
-                  for a in (arm, "ADMM-NoDual")]
+        curves = []
+        for name in (arm, "ADMM-NoDual"):
+            with open(os.path.join(workdir, f"{arm_job(seed, name)}.json")) as fh:
+                curves.append(json.load(fh)["result"]["curve"])
     except (OSError, KeyError, TypeError, ValueError):
         return None
     mean = lambda rows: 100.0 * sum(rows) / len(rows)   # noqa: E731
@@ -233,10 +233,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--round", type=int, default=4, dest="round_", metavar="R",
                    help="z after this round (its -roundR file; 0: the initial state; default %(default)s, the end "
                         "of the default's first collection)")
-    p.add_argument("--probes", type=int, default=2, metavar="N", help="random directions per seed (default %(default)s)")
+    p.add_argument("--probes", type=int, default=2, metavar="N",
+                   help="random directions per seed (default %(default)s)")
     p.add_argument("--lsq_rounds", default=",".join(map(str, LSQ_ROUNDS)), metavar="K,K",
                    help="the least-squares yardstick's rows: ADMM-ring's z after these rounds (default %(default)s)")
-    p.add_argument("--model_name", default=None, metavar="PATH", help="the backbone folder, when the job's path no longer holds")
+    p.add_argument("--model_name", default=None, metavar="PATH",
+                   help="the backbone folder, when the job's path no longer holds")
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure here")
     args = p.parse_args(argv)
     if args.round_ < 0 or args.probes < 0:

@@ -75,15 +75,24 @@ def parse_seeds(text: str) -> List[int]:
     return seeds
 
 
+def first_fitset(workdir: str, seed: int) -> str:
+    """The seed's first collection, which every arm of the seed reads."""
+    return os.path.join(workdir, f"seed{seed}", "fitset.jsonl")
+
+
+def arm_out(workdir: str, seed: int, name: str) -> str:
+    """An arm's ``out`` (its job folder; its ``-last``/``-roundK`` files beside it)."""
+    return os.path.join(workdir, f"seed{seed}", name.lower())
+
+
 def base_config(args, seed: int, arm: Optional[Arm] = None, *, quiet: bool = True):
     from admm_dist.core import config_file as config_mod
     from admm_dist.training.config import TrainConfig
 
     seed_dir = os.path.join(args.workdir, f"seed{seed}")
-    name = (arm.name if arm else "probe").lower()
     argv = ["--config", args.config, *(arm.overrides if arm else ()), *args.overrides,
-            f"seed={seed}", f"fitset_cache={os.path.join(seed_dir, 'fitset.jsonl')}",
-            f"out={os.path.join(seed_dir, name)}", f"report_dir={seed_dir}", "device=cpu",
+            f"seed={seed}", f"fitset_cache={first_fitset(args.workdir, seed)}",
+            f"out={arm_out(args.workdir, seed, arm.name if arm else 'probe')}", f"report_dir={seed_dir}", "device=cpu",
             "overwrite=true",   # a job rerun (not --reuse) replaces that arm's earlier run
             f"quiet={str(quiet).lower()}"]
     try:
