@@ -66,8 +66,14 @@ LSQ_XSTEP = {"local_steps": 8, "eta": 0.01}   # as docs/benchmarks.md's least-sq
 PROG = "python -m admm_dist.bench.curvature"
 
 
+def _rms(vectors: Sequence[torch.Tensor]) -> float:
+    """rms_i ||v_i||."""
+    return float(torch.stack([v.norm() for v in vectors]).pow(2).mean().sqrt())
+
+
 def _rms_rel(vectors: Sequence[torch.Tensor], ref: torch.Tensor) -> float:
-    return float(torch.stack([(v - ref).norm() for v in vectors]).pow(2).mean().sqrt() / ref.norm().clamp_min(1e-30))
+    """rms_i ||v_i - ref|| / ||ref||."""
+    return _rms([v - ref for v in vectors]) / max(float(ref.norm()), 1e-30)
 
 
 def hvp(grad: Grad, node: int, z: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -94,9 +100,8 @@ def probe(grad: Grad, nodes: Sequence[int], z: torch.Tensor, *, rho: float, prob
                      "Hv_norm": [float(x.norm()) for x in h],
                      "eps_check": float((half - hbar).norm() / hbar.norm().clamp_min(1e-30))})
     mean = lambda kind, k: _mean([r[k] for r in rows if r["direction"].startswith(kind)])   # noqa: E731
-    rms_g = float(torch.stack([x.norm() for x in g.values()]).pow(2).mean().sqrt())
     return {"rho": rho, "grad_norm": [float(g[n].norm()) for n in nodes],
-            "pooled": float(gbar.norm()) / max(rms_g, 1e-30), "probes": rows,
+            "pooled": float(gbar.norm()) / max(_rms(list(g.values())), 1e-30), "probes": rows,
             "eps_check": max((r["eps_check"] for r in rows), default=0.0),
             **{kind: {k: mean(kind, k) for k in ("kappa", "delta_H")} for kind in ("random", "apart")}}
 
