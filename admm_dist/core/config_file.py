@@ -14,26 +14,27 @@ resolved configuration that rank 0 writes next to the outputs.
 Each key is documented where it is defined: :func:`key` makes a dataclass field whose metadata
 holds its one-line help, its choice list and its help group, and :func:`from_component` makes a
 flat key that copies a component's field (default, help and choices), so the two cannot drift.
-:func:`format_help` renders the grouped ``--help`` from that metadata.
+A setting that sizes memory or work carries its ceiling there too (``at_most``, a constant of
+:mod:`admm_dist.core.constants`): ``--help`` shows it and :func:`check_ceilings` refuses a value
+above it in one line, before anything is allocated. :func:`format_help` renders the grouped
+``--help`` from that metadata.
+
+The YAML file is read by :func:`~admm_dist.core.yaml_file.load_yaml` (strict, and under ceilings).
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import textwrap
 import typing
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 import yaml
 
-from admm_dist.core.errors import UserError, one_line
+from admm_dist.core.errors import ConfigError
+from admm_dist.core.yaml_file import load_yaml
 
 T = TypeVar("T")
-
-
-class ConfigError(UserError):
-    """A configuration value or key is wrong; the message names the fix."""
 
 
 def default_of(component: type, name: str) -> Any:
@@ -46,24 +47,43 @@ def default_of(component: type, name: str) -> Any:
 
 
 def key(default: Any, help: str, *, choices: Any = None, group: Optional[str] = None,
-        metavar: Optional[str] = None) -> Any:
+        metavar: Optional[str] = None, at_most: Optional[float] = None) -> Any:
     """A configuration field with its one-line ``help``, its ``choices`` (a constant list or
-    dict of the owning module; a dict gives its keys) and its ``--help`` ``group``."""
+    dict of the owning module; a dict gives its keys), its ``--help`` ``group`` and, for a
+    setting that sizes memory or work, its ceiling ``at_most`` (see :func:`check_ceilings`)."""
     if not help.strip() or "\n" in help:
         raise TypeError(f"help must be one non-empty line, got {help!r}")
     meta = {"help": help, "choices": None if choices is None else tuple(choices), "group": group,
-            "metavar": metavar}
+            "metavar": metavar, "at_most": at_most}
     return dataclasses.field(default=default, metadata=meta)
 
 
-def from_component(component: type, name: str, *, group: Optional[str] = None) -> Any:
-    """A flat field that mirrors field ``name`` of the dataclass ``component``: its default, help
-    and choices are the component's (written once, there); ``group`` places it in ``--help``."""
+def from_component(component: type, name: str, *, group: Optional[str] = None,
+                   at_most: Optional[float] = None) -> Any:
+    """A flat field that mirrors field ``name`` of the dataclass ``component``: its default, help,
+    choices and ceiling are the component's (written once, there); ``group`` places it in
+    ``--help``; ``at_most`` gives the flat key a ceiling its component does not check."""
     field = _fields(component)[name]
     if not field.metadata.get("help"):
         raise TypeError(f"{component.__name__}.{name} has no help: define it with config_file.key")
     return dataclasses.field(default=default_of(component, name), metadata={
-        **field.metadata, "group": group or field.metadata.get("group"), "component": component})
+        **field.metadata, "group": group or field.metadata.get("group"), "component": component,
+        "at_most": field.metadata.get("at_most") if at_most is None else at_most})
+
+
+def _number(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def check_ceilings(obj: Any) -> None:
+    """Refuse, in one line, a field of the dataclass instance ``obj`` above its ceiling (``at_most``).
+    A flat configuration checks its keys first, so that the line names the key the user gave."""
+    for f in dataclasses.fields(obj):
+        limit, value = f.metadata.get("at_most"), getattr(obj, f.name)
+        if limit is not None and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and value > limit:
+            raise ConfigError(f"{f.name}={_number(value)} exceeds the ceiling {_number(limit)}: "
+                              f"use at most {_number(limit)}")
 
 
 def meta(cls: type, name: str) -> Mapping[str, Any]:
@@ -109,6 +129,8 @@ def format_help(cls: type, groups: Sequence[str], width: int = 100, column: int 
             raise TypeError(f"{cls.__name__}.{f.name} needs help and one of the groups {list(groups)}")
         head = f"  --{f.name} {metavar_of(cls, f.name)}".rstrip()
         tail = f"default: {shown(f.default)}"
+        if f.metadata.get("at_most") is not None:
+            tail = f"at most {_number(f.metadata['at_most'])}; {tail}"
         if f.metadata.get("choices"):
             tail = f"choices: {' | '.join(map(str, f.metadata['choices']))}; {tail}"
         lines = [ln for text in (f.metadata["help"], tail) for ln in textwrap.wrap(
@@ -225,89 +247,6 @@ def parse_overrides(argv: Sequence[str], cls) -> Dict[str, Any]:
         out[key] = raw
         i += 1
     return out
-
-
-class _DuplicateKey(Exception):
-    """A key given twice in one YAML mapping (raised by :class:`_StrictLoader`)."""
-
-    def __init__(self, key: Any, line: int, first: int) -> None:
-        super().__init__(key, line, first)
-        self.key, self.line, self.first = key, line, first
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last
-    value silently). Merge keys (``<<``) may still be overridden; valid files load unchanged."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen: Dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                k = self.construct_object(key_node, deep=True)
-                try:
-                    first = seen.get(k)
-                except TypeError:        # an unhashable key: SafeLoader's own error says so
-                    continue
-                line = key_node.start_mark.line + 1
-                if first is not None:
-                    raise _DuplicateKey(k, line, first)
-                seen[k] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-def _line_col(text: str, position: int) -> Tuple[int, int]:
-    """1-based (line, column) of character ``position`` of ``text``."""
-    before = text[:position]
-    return before.count("\n") + 1, position - (before.rfind("\n") + 1) + 1
-
-
-def load_yaml(path: str) -> Dict[str, Any]:
-    """The mapping of a YAML config file; every bad file is one :class:`ConfigError` line that
-    names the path (a folder, a binary file, a syntax error at line and column, a duplicate key)."""
-    if not os.path.exists(path):
-        raise ConfigError(f"config file {path} does not exist: check the --config path")
-    if os.path.isdir(path):
-        raise ConfigError(f"config file {path} is a folder: give a YAML file to --config, "
-                          "e.g. --config configs/cpu/admm_ring.yaml")
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except OSError as e:
-        raise ConfigError(f"config file {path} cannot be read ({e.strerror or type(e).__name__}): "
-                          "give a readable YAML file to --config") from None
-    not_text = (f"config file {path} is not a text file ({{}}): give a YAML file to --config, "
-                "e.g. --config configs/cpu/admm_ring.yaml")
-    nul = raw.find(b"\0")
-    if nul >= 0:
-        raise ConfigError(not_text.format(f"a NUL byte at offset {nul}"))
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(not_text.format(f"byte {raw[e.start]:#04x} at offset {e.start} is not UTF-8")) from None
-    try:
-        data = yaml.load(text, Loader=_StrictLoader)
-    except _DuplicateKey as e:
-        raise ConfigError(f"{path}: line {e.line}: key {e.key!r} is given twice (first on line {e.first}): "
-                          "keep one of them") from None
-    except yaml.reader.ReaderError as e:
-        line, col = _line_col(text, e.position)
-        code = e.character if isinstance(e.character, int) else ord(e.character)
-        raise ConfigError(not_text.format(f"control character #x{code:04x} at line {line}, column {col}")) \
-            from None
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "an unknown place"
-        what = e.problem or e.context or "a syntax error"
-        raise ConfigError(f"{path} is not valid YAML at {where}: {what}: fix the file there") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML ({one_line(e)}): fix the file") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of key: value, got {type(data).__name__}")
-    return data
 
 
 def _optional(tp: Any) -> bool:

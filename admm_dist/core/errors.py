@@ -28,6 +28,10 @@ class UserError(AdmmDistError, ValueError):
     """Bad input; the message is one line that says what to fix (exit code 2)."""
 
 
+class ConfigError(UserError):
+    """A configuration value or key is wrong; the message names the fix."""
+
+
 class RunError(AdmmDistError, RuntimeError):
     """The run cannot go on although its input was valid (exit code 1)."""
 

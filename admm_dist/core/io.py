@@ -5,9 +5,11 @@ Data files are JSON/JSONL/safetensors only; nothing here unpickles.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
-import tempfile
+import secrets
+import stat
 from typing import Any, Callable, List, Optional
 
 from admm_dist.core.errors import UserError
@@ -36,18 +38,33 @@ def _naming(exc: OSError, path: str) -> OSError:
 
 
 def atomic_write_bytes(path: str, data: bytes, *, before_rename: Optional[Callable[[], None]] = None) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over ``path``.
+    """Write to a new temporary file in the same folder, fsync, then rename over ``path``.
 
+    Nothing follows a link: the folder is opened once and every step is taken through that
+    descriptor (a folder swapped for a link meanwhile is not written into); the temporary is
+    created with ``O_EXCL | O_NOFOLLOW`` (a planted name is never opened), and the rename
+    replaces whatever is at ``path`` (a link there is replaced, its target untouched).
     The file gets the mode a plain ``open(path, "w")`` would give it (0666 less the umask),
-    not the 0600 of the temporary file, so group members and serving accounts can read it.
-    An OSError (a full disk, a folder removed under the run) names ``path``, and the
-    temporary file is removed.
+    so group members and serving accounts can read it. An OSError (a full disk, a folder
+    removed under the run) names ``path``, and the temporary file is removed.
     """
-    folder = os.path.dirname(os.path.abspath(path))
+    folder, name = os.path.split(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = None
+    dfd = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        for _ in range(100):
+            candidate = f".{name}.{secrets.token_hex(4)}.tmp"
+            try:
+                fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o600, dir_fd=dfd)
+            except FileExistsError:
+                continue
+            tmp = candidate
+            break
+        else:
+            raise FileExistsError(errno.EEXIST, "no free temporary name", path)
         with os.fdopen(fd, "wb") as fh:
             os.fchmod(fh.fileno(), 0o666 & ~current_umask())
             fh.write(data)
@@ -55,16 +72,38 @@ def atomic_write_bytes(path: str, data: bytes, *, before_rename: Optional[Callab
             os.fsync(fh.fileno())
         if before_rename is not None:   # tests only (admm_dist.testing.faults): a kill inside a write
             before_rename()
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        tmp = None
     except BaseException as exc:
-        if tmp is not None:
+        if tmp is not None and dfd is not None:
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dfd)
             except OSError:
                 pass
         if isinstance(exc, OSError):
             raise _naming(exc, path) from exc
         raise
+    finally:
+        if dfd is not None:
+            os.close(dfd)
+
+
+def own_folder(path: str, what: str) -> str:
+    """Create the folder ``path`` that the trainer keeps its own files in (checkpoint rounds, a
+    run's folder), refusing in one line a link, or anything not a folder, at that name: what the
+    trainer writes there must not land where a link points. Returns ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UserError(f"{what} {path} is a symbolic link, where the trainer keeps its own folder: "
+                        "remove the link (nothing was written through it), or choose another out=")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UserError(f"{what} {path} exists and is not a folder: move it away, or choose another out=")
+    return path
 
 
 def check_output_file(path: str, flag: str) -> None:
@@ -93,6 +132,8 @@ def replace_dir(tmp: str, dst: str) -> None:
     ``dst`` is new; else the old folder moves aside, ``tmp`` takes its place, the old is removed."""
     import shutil
 
+    if os.path.islink(dst):    # a link is replaced, never followed
+        os.unlink(dst)
     if os.path.isdir(dst):
         old = f"{tmp}.old"
         os.replace(dst, old)

@@ -13,6 +13,13 @@ the holder dies however it dies. Taking a lock:
 - the file names another host: that cannot be checked from here, so it is refused unless it is
   an earlier attempt of this job; the message says which file to remove if no run is using it.
 
+The lock file is opened with ``O_NOFOLLOW`` and must be a plain file: a link, a FIFO or a folder
+at its name is refused in one line naming it, and nothing is written through it. Every field of
+a lock file is checked (:func:`parse_holder`): a malformed one written on this host, whose flock
+nobody holds, is taken over with a note; one that names no host of ours is refused in one line
+naming the file to remove. Callers pass real paths (the run's ``out`` is resolved), so two names
+of one folder take one lock.
+
 The file is removed when the lock is released. Processes are identified by PID and start time,
 never by name.
 """
@@ -22,8 +29,10 @@ import dataclasses
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
+import stat
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -67,6 +76,16 @@ def _job() -> Optional[str]:
     return None
 
 
+# Bounds of a lock file's fields (a crafted file must not make a traceback, or a lock for good)
+PID_MAX = 4_194_304          # Linux's PID_MAX_LIMIT
+MAX_LOCK_BYTES = 4096        # a holder's JSON is about 150 bytes
+MAX_FIELD_CHARS = 255        # a host name (HOST_NAME_MAX is 64), a job id, a start time
+
+
+class MalformedLock(ValueError):
+    """A lock file whose content is not a holder; the message says which field is wrong."""
+
+
 @dataclasses.dataclass
 class Holder:
     pid: int
@@ -85,19 +104,81 @@ class Holder:
         return f"pid {self.pid} on host {self.host} (since {when}{', job ' + self.job if self.job else ''})"
 
 
-def _read(fd: int) -> Optional[Holder]:
+def _text(d: dict, name: str, optional: bool) -> Optional[str]:
+    v = d.get(name)
+    if v is None and optional:
+        return None
+    if not isinstance(v, str) or not v or len(v) > MAX_FIELD_CHARS or not v.isprintable():
+        raise MalformedLock(f"its {name!r} is not a short printable string")
+    return v
+
+
+def parse_holder(raw: bytes) -> Holder:
+    """The holder a lock file names; :class:`MalformedLock` says which field is wrong."""
+    if len(raw) > MAX_LOCK_BYTES:
+        raise MalformedLock(f"it holds {len(raw)} bytes, more than a lock's {MAX_LOCK_BYTES}")
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise MalformedLock("it is not JSON") from None
+    if not isinstance(d, dict):
+        raise MalformedLock("it is not a JSON object")
+    pid, since = d.get("pid"), d.get("since", 0.0)
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 1 <= pid <= PID_MAX:
+        raise MalformedLock(f"its pid {str(pid)[:40]} is not a process id (1 to {PID_MAX})")
+    if not isinstance(since, (int, float)) or isinstance(since, bool) or not math.isfinite(since) \
+            or not 0 <= since < 2 ** 40:
+        raise MalformedLock(f"its 'since' {str(since)[:40]} is not a time")
+    start = _text(d, "start", optional=True)
+    if start is not None and not start.isdigit():
+        raise MalformedLock("its 'start' is not a process start time")
+    return Holder(pid, _text(d, "host", optional=False), start, _text(d, "job", optional=True), float(since))
+
+
+def _read(fd: int) -> bytes:
     os.lseek(fd, 0, os.SEEK_SET)
     raw = b""
-    while True:
+    while len(raw) <= MAX_LOCK_BYTES:
         chunk = os.read(fd, 4096)
         if not chunk:
             break
         raw += chunk
+    return raw
+
+
+def _host_of(raw: bytes) -> Optional[str]:
+    """The host a malformed lock file still names well, if any."""
     try:
         d = json.loads(raw.decode("utf-8"))
-        return Holder(int(d["pid"]), str(d["host"]), d.get("start"), d.get("job"), float(d.get("since", 0)))
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return None      # empty (a holder died between create and write) or garbage: nobody
+        return _text(d, "host", optional=False) if isinstance(d, dict) else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a folder", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFLNK: "a symbolic link"}
+
+
+def _open_lock(path: str, name: str, fix: str) -> int:
+    """``path`` opened for the lock: created, or an existing plain file; never through a link."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666 & ~current_umask())
+    except OSError:
+        try:
+            kind = _KINDS.get(stat.S_IFMT(os.lstat(path).st_mode))
+        except OSError:
+            kind = None
+        if kind is None:
+            raise
+        raise LockedError(f"{name}: its lock {path} is {kind}, not a lock file: nothing was written through "
+                          f"it; remove it if no run is using it, or choose {fix}") from None
+    kind = _KINDS.get(stat.S_IFMT(os.fstat(fd).st_mode))
+    if kind is not None:
+        os.close(fd)
+        raise LockedError(f"{name}: its lock {path} is {kind}, not a lock file: nothing was written through "
+                          f"it; remove it if no run is using it, or choose {fix}")
+    return fd
 
 
 class OutputLock:
@@ -106,8 +187,8 @@ class OutputLock:
     def __init__(self, paths: List[Tuple[str, str, str]]):
         """``paths``: (path, how a message names it, what to choose instead), e.g.
         ``("runs/x", "out=runs/x", "another out=")``; the lock file is ``<path>.lock``."""
-        self.paths = [os.path.abspath(p) + ".lock" for p, _, _ in paths]
-        self.what = {os.path.abspath(p) + ".lock": (name, fix) for p, name, fix in paths}
+        self.paths = [os.path.realpath(p) + ".lock" for p, _, _ in paths]
+        self.what = {os.path.realpath(p) + ".lock": (name, fix) for p, name, fix in paths}
         self.fds: Dict[str, int] = {}
         self.notes: List[str] = []  # stale locks taken over, for the caller to say
 
@@ -124,39 +205,57 @@ class OutputLock:
         name, fix = self.what[path]
         os.makedirs(os.path.dirname(path), exist_ok=True)
         for _ in range(5):          # the file may be replaced between open and flock: retry
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666 & ~current_umask())
+            fd = _open_lock(path, name, fix)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
-                holder = _read(fd)
+                raw = _read(fd)
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
-                who = holder.describe() if holder else "another process"
+                try:
+                    who = parse_holder(raw).describe()
+                except MalformedLock:
+                    who = "another process"
                 raise LockedError(f"{name} is in use by a running job ({who}): wait for it to finish, "
                                   f"or choose {fix}") from None
             try:
-                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+                same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
             except FileNotFoundError:
                 same = False
             if not same:            # released and removed under us: take the new file
                 os.close(fd)
                 continue
-            holder = _read(fd)
-            me = Holder.me()
-            if holder is not None and holder.pid != me.pid:
-                self._judge(holder, me, path, name, fix)
-            os.ftruncate(fd, 0)
-            os.lseek(fd, 0, os.SEEK_SET)
-            os.write(fd, json.dumps(dataclasses.asdict(me)).encode())
-            os.fsync(fd)
+            try:
+                self._judge(_read(fd), Holder.me(), path, name, fix)
+                me = Holder.me()
+                os.ftruncate(fd, 0)
+                os.lseek(fd, 0, os.SEEK_SET)
+                os.write(fd, json.dumps(dataclasses.asdict(me)).encode())
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                raise
             self.fds[path] = fd
             return
         raise LockedError(f"{name}: its lock {path} keeps changing under this run: is another job "
                           f"starting into the same path? choose {fix}")
 
-    def _judge(self, holder: Holder, me: Holder, path: str, name: str, fix: str) -> None:
-        """A lock file whose flock nobody holds: stale, or held where flock cannot see."""
+    def _judge(self, raw: bytes, me: Holder, path: str, name: str, fix: str) -> None:
+        """A lock file whose flock nobody holds: empty (its holder died between create and write),
+        stale, malformed, or held where flock cannot see."""
+        if not raw.strip():
+            return
+        try:
+            holder = parse_holder(raw)
+        except MalformedLock as e:
+            if _host_of(raw) == me.host:   # written here, and its flock is free: nobody holds it
+                self.notes.append(f"{name}: took over a malformed lock file {path} ({e})")
+                return
+            raise LockedError(f"{name}: its lock file {path} is malformed ({e}) and names no process of this "
+                              f"host: remove it if no run is using it, or choose {fix}") from None
+        if holder.pid == me.pid and holder.host == me.host:
+            return
         if holder.job is not None and holder.job == me.job:
             self.notes.append(f"{name}: took over the lock of an earlier attempt of this job "
                               f"({holder.describe()})")

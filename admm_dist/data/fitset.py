@@ -34,11 +34,14 @@ a file mode: it is derived from an ``sft`` file at load time
 (:func:`admm_dist.data.derive.derive`). Non-finite numbers are refused on write.
 
 Loading checks, each a one-line :class:`FitSetError` that names the fix: the file exists, every
-line is valid JSON (the line number is reported) whose text is valid Unicode (no lone surrogate
-escape such as ``\\ud800``), the header's format and version, that the
-number of example lines equals ``n_examples`` (a short file was truncated), every example's
-fields and types, and, when the caller passes the settings it would collect under, that they
-equal the header's (keys missing on either side count as differences).
+line is under its ceiling (checked while reading, before the line is decoded or parsed: an example
+line holds at most :data:`~admm_dist.core.constants.MAX_FITSET_LINE_BYTES`, 1 MiB, the header
+``MAX_FITSET_HEADER_BYTES``, 64 MiB, for it lists every query key; saving refuses an example
+that would not load back), every line is valid JSON (the line number is reported) whose text
+is valid Unicode (no lone surrogate escape such as ``\\ud800``), the header's format and
+version, that the number of example lines equals ``n_examples`` (a short file was truncated),
+every example's fields and types, and, when the caller passes the settings it would collect
+under, that they equal the header's (keys missing on either side count as differences).
 
 Version history: 1 -- first version.
 """
@@ -52,6 +55,7 @@ import os
 import re
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from admm_dist.core.constants import MAX_FITSET_HEADER_BYTES, MAX_FITSET_LINE_BYTES
 from admm_dist.core.errors import UserError
 from admm_dist.core.io import atomic_write_bytes
 from admm_dist.core.text import is_int
@@ -173,10 +177,17 @@ def save_fitset(path: str, examples: Sequence[Example], *, fit_mode: str,
     header = {"format": FORMAT, "version": VERSION, "fit_mode": fit_mode,
               "settings": _canonical(settings, "settings"), "n_examples": len(examples),
               "stats": _canonical(stats or {}, "stats"), "anchor_keys": keys}
-    lines = [json.dumps(header, ensure_ascii=False, allow_nan=False)]
-    for ex in examples:
-        lines.append(json.dumps(dataclasses.asdict(ex), ensure_ascii=False, allow_nan=False))
-    atomic_write_bytes(path, ("\n".join(lines) + "\n").encode("utf-8"))
+    lines = [json.dumps(header, ensure_ascii=False, allow_nan=False).encode("utf-8")]
+    for i, ex in enumerate(examples):
+        lines.append(json.dumps(dataclasses.asdict(ex), ensure_ascii=False, allow_nan=False).encode("utf-8"))
+        if len(lines[-1]) > MAX_FITSET_LINE_BYTES:   # it would not load back
+            raise FitSetError(f"example {i} is {len(lines[-1])} bytes as a fit-set line, over the ceiling "
+                              f"{MAX_FITSET_LINE_BYTES} (MAX_FITSET_LINE_BYTES): shorten its prompt and messages "
+                              "(e.g. a lower max_new_tokens)")
+    if len(lines[0]) > MAX_FITSET_HEADER_BYTES:
+        raise FitSetError(f"the fit-set header is {len(lines[0])} bytes, over the ceiling {MAX_FITSET_HEADER_BYTES} "
+                          "(MAX_FITSET_HEADER_BYTES): collect on fewer queries, or with smaller stats")
+    atomic_write_bytes(path, b"\n".join(lines) + b"\n")
 
 
 _MISSING = "<missing>"
@@ -237,22 +248,36 @@ def _has_lone_surrogate(obj: Any) -> bool:
     return False
 
 
+def _read_lines(path: str) -> List[str]:
+    """The file's lines as text (without their newlines), each read under its ceiling before it is
+    decoded: the header (line 1) under ``MAX_FITSET_HEADER_BYTES``, an example line under
+    ``MAX_FITSET_LINE_BYTES``; a longer line is refused without being read whole."""
+    lines: List[str] = []
+    with open(path, "rb") as fh:
+        while True:
+            limit, what = ((MAX_FITSET_HEADER_BYTES, "MAX_FITSET_HEADER_BYTES") if not lines
+                           else (MAX_FITSET_LINE_BYTES, "MAX_FITSET_LINE_BYTES"))
+            raw = fh.readline(limit + 1)          # a line of ``limit`` bytes and its newline at most
+            if not raw:
+                return lines
+            if len(raw) > limit and not raw.endswith(b"\n"):
+                raise FitSetError(f"{path}: line {len(lines) + 1} is longer than {limit} bytes, the ceiling of a "
+                                  f"fit-set line ({what}): no example is that long; the file is not one "
+                                  "admm_dist wrote, or was edited: rebuild the fit set")
+            try:
+                lines.append(raw.decode("utf-8").removesuffix("\n"))
+            except UnicodeDecodeError as exc:
+                raise FitSetError(f"{path}: line {len(lines) + 1} is not UTF-8 text ({exc}): the file is "
+                                  f"corrupt; delete it and collect again") from None
+
+
 def load_fitset(path: str, *, settings: Optional[Dict[str, Any]] = None,
                 ignore: Iterable[str] = ("fit_mode",)) -> FitSet:
     """Read and check a fit set; with ``settings``, refuse one built under other settings."""
     if not os.path.isfile(path):
         raise FitSetError(f"fit set {path} does not exist: collect it first or fix "
                           f"--fitset_cache")
-    with open(path, "rb") as fh:
-        raw = fh.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise FitSetError(f"{path}: not UTF-8 text ({exc}): the file is corrupt; delete it "
-                          f"and collect again") from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()                      # the newline that ends the last line
+    lines = _read_lines(path)
 
     def parse(lineno: int) -> Any:
         line = lines[lineno - 1]

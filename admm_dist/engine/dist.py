@@ -11,7 +11,8 @@ environment itself.
   (``cuda`` -> ``nccl``, ``cpu`` -> ``gloo``).
 - :func:`distributed` is a context manager that binds the device from
   ``LOCAL_RANK``, creates the default process group with a collective timeout,
-  and always destroys it on the way out, on success and on failure.
+  enters only once every rank holds the group, and always destroys it on the way
+  out, on success and on failure.
 """
 from __future__ import annotations
 
@@ -230,6 +231,22 @@ def _init_group(env: DistEnv, backend: str, timeout: datetime.timedelta, from_en
                                 timeout=timeout, **kwargs)
 
 
+def _await_every_rank() -> None:
+    """Return once every rank of the new gloo group holds it (bounded by the group's timeout).
+
+    gloo's ``connectFullMesh`` returns on the rank that dials a pair as soon as it has sent its
+    greeting, before the rank it dialled has taken the connection (that one may still be waiting
+    on the store for the addresses, e.g. descheduled on a loaded machine), and torch adds no
+    barrier after ``init_process_group`` (``TORCH_DIST_INIT_BARRIER`` is 0 by default). A rank
+    that then sends nothing and leaves (``destroy_process_group``) would close the connection
+    under its peer, whose set-up fails with "Gloo connectFullMesh failed ... Connection closed
+    by peer". No rank leaves the set-up before every rank has finished it. (Only gloo: NCCL,
+    given ``device_id``, creates its communicator in ``init_process_group`` with every rank at
+    once; that path is left as it was.)
+    """
+    dist.barrier()
+
+
 @contextlib.contextmanager
 def distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
                 env: Optional[DistEnv] = None) -> Iterator[DistContext]:
@@ -237,6 +254,8 @@ def distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
 
     ``timeout_s`` bounds every collective and point-to-point wait: a peer that
     died or diverged makes the others fail with an error instead of hanging.
+    The body runs once every rank has formed the group (:func:`_await_every_rank`),
+    so a rank that leaves at once cannot break a peer's set-up.
     """
     if timeout_s <= 0:
         raise DistConfigError(f"timeout_s={timeout_s}: the collective timeout must be > 0 seconds")
@@ -258,6 +277,8 @@ def distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
         kwargs["device_id"] = dev
     try:
         _init_group(env, backend, timeout, from_environ, kwargs)
+        if backend == "gloo":
+            _await_every_rank()
     except (RuntimeError, dist.DistError) as e:   # a peer stopped, died or is unreachable
         with contextlib.suppress(Exception):
             dist.destroy_process_group()

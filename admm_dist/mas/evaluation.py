@@ -141,19 +141,28 @@ def from_state(folder: str, deploy: str, n_agents: int, seats: Callable[[dict], 
                         f"seats {sorted(int(s) for s in node_of)}): choose --adapt_roles to match")
 
     def node_vector(seat: int) -> torch.Tensor:
-        path = os.path.join(folder, f"node-{node_of[str(seat)]}.safetensors")
+        node = node_of[str(seat)]
+        path = os.path.join(folder, f"node-{node}.safetensors")
         if not os.path.isfile(path):
             raise UserError(f"--state {folder}: {os.path.basename(path)} (seat {seat}'s node) is missing")
         try:
             tensors = load_file(path)
             with safe_open(path, framework="pt") as fh:
-                written = (fh.metadata() or {}).get("round")
+                meta = fh.metadata() or {}
         except Exception as exc:
             raise UserError(f"{path} is not a readable safetensors file ({type(exc).__name__})") from None
+        written = meta.get("round")
         if written is not None and sm.get("round") is not None and str(sm["round"]) != written:
             raise UserError(f"{path} holds round {written} but the run's seat_map.json is of round {sm['round']}: "
                             "a stale file (its rank could not write the final one); finish the run with "
                             "resume=auto first")
+        # a node file copied from another node's name, or another run's, is refused like a stale one
+        if meta.get("node") is not None and meta["node"] != str(node):
+            raise UserError(f"{path} holds node {meta['node']}'s state, not node {node}'s: it was copied from "
+                            "another file; restore the run's own node files (or train again)")
+        if meta.get("fingerprint") and sm.get("fingerprint") and meta["fingerprint"] != sm["fingerprint"]:
+            raise UserError(f"{path} was written by another run (fingerprint {meta['fingerprint']}, the seat map's "
+                            f"{sm['fingerprint']}): restore the run's own node files (or train again)")
         if key not in tensors:
             raise UserError(f"{path} holds no {key!r} tensor (keys {sorted(tensors)}): not a node state file")
         return tensors[key]

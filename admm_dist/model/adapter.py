@@ -33,6 +33,10 @@ by ``lora_targets``) and then:
   LoRA weight dtype and the sum back to the base output dtype.
 * **forward**: unless built with ``fast_path=False``, every wrapped layer runs the fused
   B-only linear of :mod:`admm_dist.model.fused_lora` (one autograd op instead of PEFT's three).
+* **bounds**: before PEFT allocates anything, :func:`check_fits` refuses a ``lora_rank`` above the
+  smallest dimension (in or out) of the projections it adapts (a rank-r update of an m x n matrix
+  has rank at most min(m, n): a larger r only costs memory) and a ``lora_layers_last`` above the
+  backbone's layers, each read from the backbone (its module shapes, its config).
 
 :meth:`BOnlyLoRA.save` / :meth:`BOnlyLoRA.load` write and read the B vector with its identity
 through :mod:`admm_dist.model.vectors` (the file format, the cross-rank basis checks, and
@@ -71,9 +75,9 @@ ADAPTER_NAME = "default"
 class AdapterConfig:
     """How the B-only LoRA adapter is built (DESIGN.md section 2)."""
 
-    lora_rank: int = key(16, "LoRA rank r")
+    lora_rank: int = key(16, "LoRA rank r (at most the smallest dimension of the projections it adapts)")
     lora_alpha: float = key(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) B A")
-    lora_layers_last: int = key(36, "LoRA goes on the last this many decoder layers")
+    lora_layers_last: int = key(36, "LoRA goes on the last this many decoder layers (at most the backbone's)")
     lora_targets: str = key("attn_mlp", "projections that get LoRA: attn_qv (q, v), attn_all (q, k, v, o), "
                             "attn_mlp (those and gate, up, down)", choices=LORA_TARGETS)
     lora_basis_seed: int = key(42, "seed of the frozen random basis A (the same on every rank)")
@@ -139,6 +143,36 @@ def _model_device(model) -> torch.device:
     return devices.pop()
 
 
+def smallest_adapted_dim(model, config: AdapterConfig, layers: Sequence[int]) -> Optional[int]:
+    """The smallest dimension (in or out features) of the linear projections of ``model`` that
+    ``config`` adapts in decoder layers ``layers``, read from the module shapes (no allocation);
+    None when no module matches (:class:`BOnlyLoRA` then says so)."""
+    wanted = set(config.target_modules)
+    in_layers = {f".{i}." for i in layers}          # model.layers.<i>.self_attn.q_proj
+    dims = [min(mod.in_features, mod.out_features) for name, mod in model.named_modules()
+            if name.rsplit(".", 1)[-1] in wanted and hasattr(mod, "in_features") and hasattr(mod, "out_features")
+            and any(part in name for part in in_layers)]
+    return min(dims) if dims else None
+
+
+def check_fits(model, config: AdapterConfig) -> List[int]:
+    """Refuse, in one line and before anything is allocated, an adapter larger than ``model``:
+    ``lora_layers_last`` above its decoder layers, ``lora_rank`` above the smallest dimension of the
+    projections it adapts. Returns the adapted layers."""
+    n_layers = _num_layers(model)
+    if config.lora_layers_last > n_layers:
+        raise AdapterError(f"lora_layers_last={config.lora_layers_last} but the model has "
+                           f"{n_layers} layers: use lora_layers_last between 1 and {n_layers}")
+    layers = list(range(n_layers - config.lora_layers_last, n_layers))
+    dim = smallest_adapted_dim(model, config, layers)
+    if dim is not None and config.lora_rank > dim:
+        name = getattr(model.config, "name_or_path", "") or type(model).__name__
+        raise AdapterError(f"lora_rank={config.lora_rank} exceeds {dim}, the smallest dimension of the projections "
+                           f"it adapts ({config.lora_targets}: {', '.join(config.target_modules)}) in {name}: "
+                           f"use at most {dim}")
+    return layers
+
+
 def _hash_tensors(tensors: Sequence[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for t in tensors:
@@ -167,12 +201,8 @@ class BOnlyLoRA:
             raise AdapterError("the model is already a PeftModel: pass the plain backbone; "
                                "BOnlyLoRA adds its own LoRA layers")
         self.config = config
-        n_layers = _num_layers(model)
-        if config.lora_layers_last > n_layers:
-            raise AdapterError(f"lora_layers_last={config.lora_layers_last} but the model has "
-                               f"{n_layers} layers: use lora_layers_last between 1 and {n_layers}")
-        self.num_layers = n_layers
-        self.layers = list(range(n_layers - config.lora_layers_last, n_layers))
+        self.layers = check_fits(model, config)     # before PEFT allocates A and B
+        self.num_layers = _num_layers(model)
         device = _model_device(model)
         self.device = device
 
@@ -345,7 +375,7 @@ class BOnlyLoRA:
         from admm_dist.core.io import current_umask
 
         folder = os.path.abspath(folder)
-        if os.path.exists(folder) and not os.path.isdir(folder):
+        if os.path.exists(folder) and not os.path.isdir(folder) and not os.path.islink(folder):
             raise AdapterError(f"export_peft: {folder} exists and is not a folder: choose another path")
         parent = os.path.dirname(folder)
         os.makedirs(parent, exist_ok=True)
@@ -363,6 +393,8 @@ class BOnlyLoRA:
                     _fsync_path(os.path.join(root, fn))
                 os.chmod(root, 0o777 & ~umask)
                 _fsync_path(root)
+            if os.path.islink(folder):   # a link is replaced, never followed
+                os.unlink(folder)
             if os.path.isdir(folder):
                 old = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.", suffix=".old", dir=parent)
                 os.rmdir(old)

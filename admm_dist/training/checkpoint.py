@@ -32,9 +32,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from admm_dist.core.errors import UserError
-from admm_dist.core.io import atomic_write_bytes, atomic_write_json
+from admm_dist.core.io import atomic_write_bytes, atomic_write_json, own_folder
 
 _ROUND_DIR = re.compile(r"^round-(\d{6})$")
+MAX_MARKER_BYTES = 64 << 20   # a marker holds the history and dev curve: kilobytes; more is not ours
 
 
 class CheckpointError(UserError):
@@ -62,7 +63,7 @@ def save_node(root: str, k: int, node: int, tensors: Mapping[str, torch.Tensor],
     at each write point (:data:`admm_dist.testing.faults.POINTS`): "tensors" (nothing written yet),
     "tensors-renaming" (the tensors' temporary written, not renamed), "tensors-written",
     "json-renaming" (the marker's temporary written, not renamed), "json-written"."""
-    folder = round_dir(root, k)
+    folder = own_folder(round_dir(own_folder(root, "the checkpoint folder"), k), "the checkpoint folder")
     remove_orphans(folder, [node])
     data = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
     blob = st_save(data)
@@ -85,25 +86,51 @@ def all_rounds(root: str) -> List[int]:
     return sorted(int(m.group(1)) for m in map(_ROUND_DIR.match, os.listdir(root)) if m)
 
 
-def _fingerprint_of(path: str) -> Optional[str]:
+def read_marker(path: str) -> Optional[dict]:
+    """The JSON object of a node marker, or None (missing, unreadable, not an object)."""
     try:
-        with open(path) as fh:
-            fp = json.load(fh).get("fingerprint")
-        return fp if isinstance(fp, str) else None
-    except (OSError, ValueError, AttributeError):
+        with open(path, "rb") as fh:
+            meta = json.loads(fh.read(MAX_MARKER_BYTES + 1).decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
         return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _fingerprint_of(path: str) -> Optional[str]:
+    fp = (read_marker(path) or {}).get("fingerprint")
+    return fp if isinstance(fp, str) else None
+
+
+def marker_fits(meta: Mapping[str, object], k: int, node: int) -> bool:
+    """Whether a marker names the round and node of the folder and file it sits in: a pair
+    copied or moved from another round is intact, but it is not this round's."""
+    return meta.get("round") == k and meta.get("node") == node and not isinstance(meta.get("round"), bool) \
+        and not isinstance(meta.get("node"), bool)
 
 
 def completed_rounds(root: str, nodes: Sequence[int], fingerprint: Optional[str] = None) -> List[int]:
     """Rounds for which every node in ``nodes`` has a complete checkpoint, ascending; with
-    ``fingerprint``, only those written by that run."""
+    ``fingerprint``, only those written by that run. A marker that names another round or node
+    than its place does not count (resume falls back to the round before)."""
     out = []
     for k in all_rounds(root):
-        paths = [os.path.join(round_dir(root, k), f"node-{n}.json") for n in nodes]
-        if not all(os.path.exists(p) for p in paths):
+        metas = [read_marker(os.path.join(round_dir(root, k), f"node-{n}.json")) for n in nodes]
+        if not all(m is not None and marker_fits(m, k, n) for m, n in zip(metas, nodes)):
             continue
-        if fingerprint is None or all(_fingerprint_of(p) == fingerprint for p in paths):
+        if fingerprint is None or all(m.get("fingerprint") == fingerprint for m in metas):
             out.append(k)
+    return out
+
+
+def misplaced(root: str, nodes: Sequence[int]) -> List[str]:
+    """This process's node markers that name another round or node than their place."""
+    out = []
+    for k in all_rounds(root):
+        for n in nodes:
+            path = os.path.join(round_dir(root, k), f"node-{n}.json")
+            meta = read_marker(path)
+            if meta is not None and not marker_fits(meta, k, n):
+                out.append(path)
     return out
 
 
@@ -124,11 +151,7 @@ def foreign_rounds(root: str, fingerprint: str) -> List[int]:
 
 def previous_of(root: str, k: int, node: int) -> int:
     """The checkpoint round that node ``node``'s round ``k`` followed (0: the first, or unknown)."""
-    try:
-        with open(os.path.join(round_dir(root, k), f"node-{node}.json")) as fh:
-            prev = json.load(fh).get("previous", 0)
-    except (OSError, ValueError, AttributeError):
-        return 0
+    prev = (read_marker(os.path.join(round_dir(root, k), f"node-{node}.json")) or {}).get("previous", 0)
     return prev if isinstance(prev, int) and not isinstance(prev, bool) else 0
 
 
@@ -175,6 +198,9 @@ def load_node(root: str, k: int, node: int, fingerprint: str) -> Tuple[Dict[str,
         raise CheckpointError(f"checkpoint {jpath} is not valid JSON ({type(e).__name__}): {damaged}") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint {jpath} is not a JSON object: {damaged}")
+    if not marker_fits(meta, k, node):
+        raise CheckpointError(f"checkpoint {jpath} names round {meta.get('round')!r}, node {meta.get('node')!r}, "
+                              f"not round {k}, node {node}: it was copied from another place; {damaged}")
     if meta.get("fingerprint") != fingerprint:
         raise CheckpointError(
             f"checkpoint {folder} was written by another configuration (fingerprint "

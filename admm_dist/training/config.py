@@ -8,6 +8,8 @@ component's ``__post_init__``, which :meth:`TrainConfig.__post_init__` runs;
 :meth:`TrainConfig.admm_config` and its siblings are the one place the flat keys map onto the
 components. The run's own keys are made by :func:`~admm_dist.core.config_file.key`, with their
 help and choices at the field; ``--help`` is rendered from that metadata, by :data:`GROUPS`.
+A key that sizes memory or work carries its ceiling there too (``at_most``, a constant of
+:mod:`admm_dist.core.constants`), checked first, under the key's own name, before anything is built.
 
 Defaults are the paper's safety settings (Table A2): rho 0.03, 16 local Adam
 steps, lr 1e-3, clip 0.01, batch 8, beta_DPO = beta_KL = 0.1, rank-16 LoRA on
@@ -22,12 +24,16 @@ import hashlib
 import json
 import math
 import os
+import unicodedata
 from typing import Any, Dict, Optional
 
 from admm_dist import tasks
-from admm_dist.core.config_file import format_help, from_component, key
-from admm_dist.core.constants import DEFAULT_TIMEOUT_S
+from admm_dist.core.config_file import check_ceilings, format_help, from_component, key
+from admm_dist.core.constants import (DEFAULT_TIMEOUT_S, MAX_BATCH_SIZE, MAX_GOSSIP_STEPS, MAX_KV_CACHE_GIB,
+                                      MAX_LOCAL_STEPS, MAX_NODES, MAX_QUERIES, MAX_ROUNDS, MAX_SAMPLES,
+                                      MAX_TIMEOUT_S, MAX_TOKENS)
 from admm_dist.core.errors import UserError
+from admm_dist.core.text import is_int
 from admm_dist.data.derive import FIT_FILTERS
 from admm_dist.data.fitset import PARTITION_MODES
 from admm_dist.engine.admm import ADMMConfig
@@ -67,6 +73,9 @@ TRAINING_LATER = {"compress": "none", "recollect_anchors": None}
 # (mas/collection.py; prefix_samples entered the fingerprint together with the key, so always)
 # and the training ones.
 FINGERPRINT_LATER = {**{k: v for k, v in LATER_KEYS.items() if k != "prefix_samples"}, **TRAINING_LATER}
+# Keys that name a file, a folder or a model: a control character (newline, tab, NUL, ...) or a
+# leading or trailing space in one is a typo that would name another path, and is refused.
+PATH_KEYS = ("model_name", "task_path", "fitset_cache", "init_state", "out", "report_dir", "tracking_dir")
 EMPTY_NODES = ("error", "prox")    # empty_nodes: refuse a node without examples, or give it f_i = 0
 RESUME_MODES = ("never", "auto")
 # --help's groups, in order; every key names one
@@ -89,7 +98,8 @@ class TrainConfig:
                            "middle (neither the first nor the last)", choices=ROLE_SETS, group=SYSTEM)
     backend: str = key("auto", "process_group (one node per torchrun rank), local (every node in this "
                        "process), auto (the group when torchrun started one)", choices=COMM_BACKENDS, group=SYSTEM)
-    timeout_s: float = key(DEFAULT_TIMEOUT_S, "bound in seconds on every collective and wait", group=SYSTEM)
+    timeout_s: float = key(DEFAULT_TIMEOUT_S, "bound in seconds on every collective and wait", group=SYSTEM,
+                           at_most=MAX_TIMEOUT_S)
 
     task_path: Optional[str] = key(None, "a local JSON/JSONL/CSV file of the task's rows instead of the hub",
                                    metavar="PATH", group=DATA)
@@ -101,8 +111,8 @@ class TrainConfig:
     text_mas_context_length: Optional[int] = from_component(ChainConfig, "context_tokens", group=DATA)
     agent_models: Optional[str] = key(None, "run these seats on another backbone (a compromised agent); such "
                                       "a seat carries no adapter", metavar="SEAT=PATH[,SEAT=PATH]", group=DATA)
-    anchors: int = key(32, "number of training queries", group=DATA)
-    group: int = from_component(Collector, "group", group=DATA)
+    anchors: int = key(32, "number of training queries", group=DATA, at_most=MAX_QUERIES)
+    group: int = from_component(Collector, "group", group=DATA, at_most=MAX_SAMPLES)
     credit: str = from_component(Collector, "credit", group=DATA)
     reward: str = from_component(Collector, "reward", group=DATA)
     anchor_split: Optional[str] = key(None, "draw training queries from this split (e.g. train) instead of "
@@ -110,27 +120,30 @@ class TrainConfig:
     anchor_offset: Optional[int] = key(None, "take training queries from rows [K, K + anchors) of the "
                                        "shuffled pool instead of its tail", metavar="K", group=DATA)
     anchor_pool: Optional[int] = key(None, "pre-screen: sample each of the last M candidate queries twice "
-                                     "and drop those answered right both times", metavar="M", group=DATA)
+                                     "and drop those answered right both times", metavar="M", group=DATA,
+                                     at_most=MAX_QUERIES)
     anchor_pass_band: Optional[str] = key(None, "keep only queries whose pass rate lies strictly inside "
                                           "(LO, HI); 0,1 keeps queries with mixed outcomes",
                                           metavar="LO,HI", group=DATA)
     recollect_every: int = key(0, "collect again on fresh queries every N rounds, each seat under the adapter "
                                "it deploys now (the consensus z; its own node's state where consensus is "
-                               "inexact or under local_only) (0: collect once)", group=DATA)
+                               "inexact or under local_only) (0: collect once)", group=DATA, at_most=MAX_ROUNDS)
     recollect_anchors: Optional[int] = key(None, "queries per re-collection (default: anchors, as the first "
-                                           "collection)", metavar="N", group=DATA)
+                                           "collection)", metavar="N", group=DATA, at_most=MAX_QUERIES)
     downstream_seed: int = from_component(Collector, "downstream_seed", group=DATA)
-    prefix_samples: int = from_component(Collector, "prefix_samples", group=DATA)
+    prefix_samples: int = from_component(Collector, "prefix_samples", group=DATA, at_most=MAX_SAMPLES)
     max_new_tokens: int = from_component(ChainConfig, "max_new_tokens", group=DATA)
     sink_tokens: Optional[int] = from_component(ChainConfig, "sink_tokens", group=DATA)
     temperature: float = from_component(ChainConfig, "temperature", group=DATA)
     top_p: float = from_component(ChainConfig, "top_p", group=DATA)
     gen_batch_size: int = from_component(ChainConfig, "batch_size", group=DATA)
-    gen_chunk: int = from_component(Collector, "chunk", group=DATA)
+    gen_chunk: int = from_component(Collector, "chunk", group=DATA, at_most=MAX_QUERIES)
     generation_backend: str = key("hf", "hf (transformers generate, seeded per row, bit for bit) or vllm "
                                   "(a vLLM engine per rank; docs/vllm.md)", choices=GENERATION_BACKENDS, group=GEN)
-    vllm_max_model_len: int = key(4096, "the engine's longest prompt plus reply, in tokens", group=GEN)
-    vllm_kv_cache_gib: float = key(1.0, "CPU: the KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)", group=GEN)
+    vllm_max_model_len: int = key(4096, "the engine's longest prompt plus reply, in tokens", group=GEN,
+                                  at_most=MAX_TOKENS)
+    vllm_kv_cache_gib: float = key(1.0, "CPU: the KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)", group=GEN,
+                                   at_most=MAX_KV_CACHE_GIB)
     vllm_gpu_memory_utilization: float = key(0.5, "GPU: the engine's share of GPU memory, in (0, 1); the "
                                              "trainer holds the rest", group=GEN)
 
@@ -143,12 +156,14 @@ class TrainConfig:
     dev_frac: float = key(0.0, "hold out this fraction of each seat's examples to track held-out NLL and "
                           "write <out>-best.safetensors (0: train on all); with recollect_every, of the first "
                           "collection's, kept for the whole run", group=HELD_OUT)
-    dev_every: int = key(1, "measure the held-out NLL every N rounds (and after the last)", group=HELD_OUT)
+    dev_every: int = key(1, "measure the held-out NLL every N rounds (and after the last)", group=HELD_OUT,
+                         at_most=MAX_ROUNDS)
     partition: str = key("seat", "seat: one node per adapted seat (the paper's setting); anchor: pool the "
                          "examples and split them over nodes by query", choices=PARTITION_MODES, group=ADMM)
     empty_nodes: str = key("error", "a node without examples: error (refuse the run) or prox (its f_i = 0: "
                            "it only follows the consensus)", choices=EMPTY_NODES, group=ADMM)
-    n_partitions: int = key(0, "partition anchor: the number of nodes (0: one per adapted seat)", group=ADMM)
+    n_partitions: int = key(0, "partition anchor: the number of nodes (0: one per adapted seat)", group=ADMM,
+                            at_most=MAX_NODES)
     pooled: bool = key(False, "the centralized arm: every example on one node", group=ADMM)
     dry_run: bool = key(False, "build the fit sets and stop before any gradient step", group=DATA)
     init_state: Optional[str] = key(None, "warm start: x^0 = z^0 = this saved adapter vector "
@@ -163,8 +178,8 @@ class TrainConfig:
     no_role_balance: bool = key(False, "sample minibatches uniformly instead of balanced over a node's roles",
                                 group=OBJ)
     target_span: str = from_component(ObjectiveConfig, "target_span", group=OBJ)
-    max_target_tokens: int = from_component(ObjectiveConfig, "max_target_tokens", group=OBJ)
-    max_prompt_tokens: int = from_component(ObjectiveConfig, "max_prompt_tokens", group=OBJ)
+    max_target_tokens: int = from_component(ObjectiveConfig, "max_target_tokens", group=OBJ, at_most=MAX_TOKENS)
+    max_prompt_tokens: int = from_component(ObjectiveConfig, "max_prompt_tokens", group=OBJ, at_most=MAX_TOKENS)
     no_grad_checkpointing: bool = key(False, "keep activations instead of recomputing them (faster, more "
                                       "memory)", group=OBJ)
 
@@ -175,9 +190,10 @@ class TrainConfig:
     lora_basis_seed: Optional[int] = key(None, "seed of the frozen random basis A, the same on every rank "
                                          "(none: --seed)", group=ADAPTER)
 
-    k_outer: int = key(20, "ADMM rounds T", group=ADMM)
-    local_steps: int = key(16, "local Adam steps L per x-step", group=ADMM)
-    batch_size: int = key(8, "examples per local Adam step", group=ADMM)
+    k_outer: int = key(20, "ADMM rounds T", group=ADMM, at_most=MAX_ROUNDS)
+    local_steps: int = key(16, "local Adam steps L per x-step", group=ADMM, at_most=MAX_LOCAL_STEPS)
+    batch_size: int = key(8, "examples per local Adam step (a node with fewer repeats them)", group=ADMM,
+                          at_most=MAX_BATCH_SIZE)
     eta: float = key(1e-3, "Adam learning rate (may change on resume=auto)", group=ADMM)
     rho: float = from_component(ADMMConfig, "rho", group=ADMM)
     grad_clip: float = key(0.01, "clip each local step's gradient to this norm (may change on resume=auto)",
@@ -189,7 +205,8 @@ class TrainConfig:
                          choices=MODES, group=ADMM)
     topology: str = key("ring", "the graph of gossip and decentralized; grid is rows x cols, so a prime node count > 3 is "
                         "refused; chain is a path", choices=TOPOLOGIES, group=ADMM)
-    gossip_steps: int = key(1, "gossip mixing steps tau per z-step (consensus gossip only)", group=ADMM)
+    gossip_steps: int = key(1, "gossip mixing steps tau per z-step (consensus gossip only)", group=ADMM,
+                            at_most=MAX_GOSSIP_STEPS)
     compress: str = key("none", "z-step payload: none (fp32), int8 or fp8 (e4m3) codes with one fp32 scale per "
                         "64 values, of each node's change against a public copy (exact at convergence; "
                         "about 0.27x the bytes)", choices=COMPRESSIONS, group=ADMM)
@@ -203,8 +220,8 @@ class TrainConfig:
                    metavar="PATH", group=OUT)
     report_dir: str = key("results", "folder of the training report <name>-train.json", metavar="DIR", group=OUT)
     quiet: bool = key(False, "no progress bars and no per-round lines", group=OUT)
-    checkpoint_every: int = key(1, "write a checkpoint every N rounds", group=OUT)
-    keep_checkpoints: int = key(3, "keep this run's last N checkpoints", group=OUT)
+    checkpoint_every: int = key(1, "write a checkpoint every N rounds", group=OUT, at_most=MAX_ROUNDS)
+    keep_checkpoints: int = key(3, "keep this run's last N checkpoints", group=OUT, at_most=MAX_ROUNDS)
     resume: str = key("never", "never (a fresh run) or auto (continue from the last round every rank "
                       "completed)", choices=RESUME_MODES, group=OUT)
     overwrite: bool = key(False, "a fresh run may replace the run already in --out", group=OUT)
@@ -217,6 +234,11 @@ class TrainConfig:
     wandb_mode: str = from_component(TrackingConfig, "wandb_mode", group=TRACK)
 
     def __post_init__(self) -> None:
+        # every key that sizes memory or work under its ceiling, named as given, before anything is built
+        check_ceilings(self)
+        if not is_int(self.seed) or not 0 <= self.seed < 2 ** 63:   # before the basis seed it defaults
+            raise UserError(f"seed={self.seed!r} is invalid: use an integer in [0, 2**63) (it also seeds the "
+                            "LoRA basis unless lora_basis_seed is set)")
         # the components check their own fields (and say how to fix them)
         self.admm_config()
         self.adapter_config()
@@ -260,10 +282,14 @@ class TrainConfig:
         self.seat_backbones()
         check_mode(self.consensus, self.topology, self.gossip_steps)
         check_compress(self.compress)
+        if self.local_only and self.compress != "none":
+            raise UserError(f"compress={self.compress} has no effect under local_only (nothing is exchanged): "
+                            "drop compress= or local_only")
         for name in ("k_outer", "local_steps", "batch_size", "dev_every", "checkpoint_every",
                      "keep_checkpoints", "gossip_steps"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)}: it must be >= 1")
+        self._check_paths()
         self._check_out()
         if self.overwrite and self.resume == "auto":
             raise UserError("overwrite=true replaces the run in out=, resume=auto continues it: choose one")
@@ -281,6 +307,18 @@ class TrainConfig:
         if self.n_partitions < 0:
             raise UserError(f"n_partitions={self.n_partitions}: use 0 (one per seat) or >= 1")
 
+    def _check_paths(self) -> None:
+        """A path key (PATH_KEYS) with a control character or a leading or trailing space is refused."""
+        for name in PATH_KEYS:
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                continue
+            bad = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+            if bad is not None:
+                raise UserError(f"{name}={value!r} holds the control character {bad!r}: give the path without it")
+            if value != value.strip():
+                raise UserError(f"{name}={value!r} starts or ends with a space: give the path without it")
+
     def _check_out(self) -> None:
         """``out`` names a run (``runs/x`` -> runs/x/, runs/x-last.safetensors, ...); a trailing
         slash is dropped."""
@@ -288,9 +326,12 @@ class TrainConfig:
         if not out or os.path.basename(out) in (".", ".."):
             raise UserError(f"out={self.out!r}: name the run, e.g. out=runs/ring (its files go to runs/ring/, "
                             "runs/ring-last.safetensors and runs/ring.ckpt/)")
-        object.__setattr__(self, "out", out)
         if not str(self.report_dir).strip():
             raise UserError("report_dir='': name a folder for the training report, e.g. report_dir=results")
+        # Identity: two names of one folder are one run (locks, the "holds another run" check,
+        # out_path in every record), so a linked out= is the folder it names (docs/outputs.md).
+        object.__setattr__(self, "out", os.path.realpath(out))
+        object.__setattr__(self, "report_dir", os.path.realpath(self.report_dir))
 
     # -- the component configs these flat keys map onto (the one place they are mapped) --
     def admm_config(self) -> ADMMConfig:
@@ -358,13 +399,17 @@ class TrainConfig:
     def as_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def fingerprint(self, *, with_paths: bool = False) -> str:
-        """Hash of every setting that changes what is computed (for checkpoints), but the paths of
-        CONTENT_PATHS (``with_paths``: with them, as checkpoints before 2026-12-05 were written)."""
+    def semantic(self, *, with_paths: bool = False) -> Dict[str, Any]:
+        """Every setting that changes what is computed (what a checkpoint records of its run), but
+        the paths of CONTENT_PATHS (``with_paths``: with them, as checkpoints before 2026-12-05 were
+        written)."""
         skip = NON_SEMANTIC if with_paths else NON_SEMANTIC | CONTENT_PATHS
-        d = {k: v for k, v in self.as_dict().items()
-             if k not in skip and k not in RESUMABLE and FINGERPRINT_LATER.get(k, object()) != v}
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        return {k: v for k, v in self.as_dict().items()
+                if k not in skip and k not in RESUMABLE and FINGERPRINT_LATER.get(k, object()) != v}
+
+    def fingerprint(self, *, with_paths: bool = False) -> str:
+        """Hash of :meth:`semantic` (for checkpoints)."""
+        return hashlib.sha256(json.dumps(self.semantic(with_paths=with_paths), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def help_text() -> str:

@@ -89,7 +89,7 @@ class RunOutputs:
         run does not mix with another run's files (every rank checks; every rank stops on any
         problem; nothing is removed here: see :meth:`clear_old_run`).
 
-        Rank 0 locks ``<out>.lock`` and ``<report_dir>/<name>-train.lock`` for the whole run, so
+        Rank 0 locks ``<out>.lock`` and ``<report_dir>/<name>-train.json.lock`` for the whole run, so
         a second run into the same ``out`` (or under the same report name) is refused while this
         one lives. A fresh run (``resume=never``) into an ``out`` that holds checkpoints or
         results is refused unless ``overwrite=true``; ``resume=auto`` with results but no
@@ -113,9 +113,9 @@ class RunOutputs:
 
     def make_lock(self) -> OutputLock:
         cfg = self.cfg
-        report = os.path.join(cfg.report_dir, os.path.basename(cfg.out) + "-train")
+        report = self.report_path()   # its lock is <report>.lock: an out= aimed at it takes the same lock
         return OutputLock([(cfg.out, f"out={cfg.out}", "another out="),
-                           (report, f"the report name {report}.json", "another report_dir= or out= name")])
+                           (report, f"the report name {report}", "another report_dir= or out= name")])
 
     def release(self) -> None:
         """Give up the locks (the run has ended, however it ended)."""
@@ -148,7 +148,7 @@ class RunOutputs:
 
     def report_owner(self) -> Optional[str]:
         """The report of another run under this run's report name (its path and out), or None."""
-        mine = os.path.abspath(self.cfg.out)
+        mine = os.path.realpath(self.cfg.out)
         for kind in (None, "refused", "preempted", "dryrun"):
             path = self.report_path(kind)
             try:
@@ -156,7 +156,7 @@ class RunOutputs:
                     owner = json.load(fh).get("out_path")
             except (OSError, ValueError, AttributeError):
                 continue
-            if isinstance(owner, str) and owner != mine:
+            if isinstance(owner, str) and os.path.realpath(owner) != mine:   # two names of one folder: one run
                 return f"{path} (out={owner})"
         return None
 
@@ -172,6 +172,9 @@ class RunOutputs:
             folders["tracking_dir"] = self.tracking_folder()
         for what, folder in folders.items():
             fix = f"{what}=" if what in ("report_dir", "tracking_dir") else "out="
+            if what in ("out", "the checkpoint folder") and os.path.islink(folder):
+                return (f"{what} {folder} is a symbolic link, where the trainer keeps its own folder: remove "
+                        f"the link, or choose another {fix}")
             if os.path.exists(folder) and not os.path.isdir(folder):
                 return f"{what} {folder} exists and is not a folder: choose another {fix}"
             here = os.path.abspath(folder)   # nothing is created yet: the nearest existing folder decides
@@ -270,7 +273,7 @@ class RunOutputs:
                 atomic_write_bytes(staged.file(os.path.join(cfg.out, f"node-{node}.safetensors")), blob)
             if self.rank == 0:
                 written = self._stage_rank0(staged, engine=engine, comm=comm, adapter=adapter, report=report,
-                                            best=best, deploy_local=deploy_local)
+                                            best=best, deploy_local=deploy_local, fingerprint=fingerprint)
         except Exception as exc:   # every rank must hear of it before anything is replaced
             failed = exc
         self._agree(comm, len(nodes), failed, staged,
@@ -299,7 +302,8 @@ class RunOutputs:
             raise RunError(peer_message)
 
     def _stage_rank0(self, staged: Staged, *, engine: "ADMMEngine", comm: "Communicator", adapter: "BOnlyLoRA",
-                     report: TrainReport, best: Optional["BestRound"], deploy_local: bool) -> List[str]:
+                     report: TrainReport, best: Optional["BestRound"], deploy_local: bool,
+                     fingerprint: str) -> List[str]:
         """Rank 0's result files, staged; the final paths, in the order they will be renamed."""
         cfg = self.cfg
         out = cfg.out
@@ -308,7 +312,7 @@ class RunOutputs:
                              [os.path.basename(out) + s for s in ("-last.safetensors", "-best.safetensors")])
         meta = {"config": cfg.as_dict(), "seats": cfg.adapted_seats(),
                 "roles": [cfg.role(s) for s in cfg.adapted_seats()],
-                "n_nodes": comm.n_nodes, "round": engine.round}
+                "n_nodes": comm.n_nodes, "round": engine.round, "fingerprint": fingerprint}
         anchor_keys = list(report.get("anchor_keys") or [])
         atomic_write_json(staged.file(os.path.join(out, "seat_map.json")),
                           dict(meta, deploy_required="local" if deploy_local else None,
@@ -319,7 +323,7 @@ class RunOutputs:
         written = [f"{out}/"]
         z = engine.z[0]
         # A copied adapter keeps the leakage check: it carries the training queries' keys.
-        trained_on = {"anchor_keys": anchor_keys, "report": os.path.abspath(self.report_path())}
+        trained_on = {"anchor_keys": anchor_keys, "report": os.path.realpath(self.report_path())}
         if best is not None and not cfg.local_only:
             report.best = {"round": best.round, "dev_nll": best.dev_nll}
         atomic_write_json(staged.file(self.report_path()), report.as_dict())

@@ -9,7 +9,8 @@ continues bit for bit as if it had not stopped.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
+import os
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: Sequence[int],
                state: Dict[int, NodeState], param: torch.Tensor, fingerprint: str, report: TrainReport,
-               best: Optional[BestRound], keep: int, resumable: Dict[str, float],
+               best: Optional[BestRound], keep: int, resumable: Dict[str, float], identity: Mapping[str, Any],
                collected_under: Optional[Sequence[torch.Tensor]] = None,
                faults: Optional["FaultPlan"] = None) -> None:
     """Every node of this rank writes round ``engine.round``; then the ranks agree on the newest
@@ -61,6 +62,8 @@ def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: 
                 "rho": engine.state_dict()["rho"],
                 "best": None if best is None else best.meta(),
                 "resumable": dict(resumable),
+                # what the fingerprint hashes, so a refused resume can name the setting that differs
+                "identity": dict(identity),
                 # the checkpoint before this one: every node must hold it or this one
                 "previous": before[-1] if before else 0}
         if best is not None:
@@ -86,12 +89,50 @@ def written_under(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int],
     return candidates[held[0]] if held else candidates[0]
 
 
+def differences(then: Mapping[str, Any], now: Mapping[str, Any]) -> List[str]:
+    """What differs between two runs' identities (:meth:`TrainConfig.semantic` and the content
+    digests), as ``key there -> here`` phrases; empty when ``then`` records nothing."""
+    if not isinstance(then, Mapping) or not isinstance(then.get("settings"), Mapping):
+        return []
+    out = []
+    a, b = then["settings"], now["settings"]
+    for k in sorted(set(a) | set(b)):
+        if a.get(k, "unset") != b.get(k, "unset"):
+            out.append(f"{k} {a.get(k, 'unset')!r} there, {b.get(k, 'unset')!r} here")
+    for k, what in (("fitset", "the fit set's content"), ("init_state", "init_state's content")):
+        if then.get(k) != now.get(k):
+            out.append(f"{what} differs")
+    return out
+
+
+def _foreign_differences(root: str, fingerprint: str, identity: Mapping[str, Any]) -> str:
+    """Which settings the newest foreign checkpoint of ``root`` differs in, as a clause."""
+    for k in reversed(ckpt.all_rounds(root)):
+        folder = ckpt.round_dir(root, k)
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            if not (name.startswith("node-") and name.endswith(".json")):
+                continue
+            meta = ckpt.read_marker(os.path.join(folder, name))
+            if meta is None or meta.get("fingerprint") == fingerprint:
+                continue
+            diff = differences(meta.get("identity"), identity)
+            if diff:
+                shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
+                return f" (it differs in {shown})"
+            return " (its checkpoints do not record which setting differs)"
+    return ""
+
+
 def agreed_round(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int], rank: int,
-                 fingerprint: str) -> int:
+                 fingerprint: str, identity: Mapping[str, Any],
+                 talk: Callable[[str], None] = lambda m: None) -> int:
     """The last round every rank completed under this run's fingerprint (0: none)."""
     root = ckpt.ckpt_root(cfg.out)
     for k in ckpt.all_rounds(root):    # temporaries of a killed write: never read, removed now
         ckpt.remove_orphans(ckpt.round_dir(root, k), nodes)
+    for path in ckpt.misplaced(root, nodes):
+        talk(f"resume auto: {path} names another round or node than its place (copied from elsewhere): "
+             "not used; its round counts as incomplete")
     mine = ckpt.completed_rounds(root, nodes, fingerprint)
     foreign = float(bool(ckpt.foreign_rounds(root, fingerprint)))
     rows = []
@@ -111,8 +152,8 @@ def agreed_round(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int], r
     if table[:, 1].max().item() > 0 and agreed == 0:
         raise CheckpointError(
             f"resume auto: the checkpoints in {root} were written by another run (other settings, fit set "
-            "or initial state): resume with that run's settings, replace it with overwrite=true "
-            "(resume=never), or choose a new out=")
+            f"or initial state){_foreign_differences(root, fingerprint, identity)}: resume with that run's "
+            "settings, replace it with overwrite=true (resume=never), or choose a new out=")
     if newest > cfg.k_outer:
         raise CheckpointError(
             f"resume auto: the checkpoints in {root} reach round {newest}, beyond k_outer={cfg.k_outer}: "

@@ -69,6 +69,7 @@ class Trainer:
     init_vec: Optional[torch.Tensor]        # init_state, the warm start
     fingerprint: str                        # what a checkpoint must match to be this run's
     fingerprint_before: str                 # the same run's, as versions before 2026-12-05 computed it
+    identity: Dict[str, Any]                # what the fingerprint hashes (checkpoints record it)
     # made by build_nodes()
     state: Dict[int, NodeState]
     engine: ADMMEngine
@@ -83,7 +84,7 @@ class Trainer:
         self.show = not cfg.quiet and ctx.rank == 0    # progress bars and log lines
         self.talk = log if self.show else (lambda m: None)
         self.tracker = Tracker()   # report_to's writers, opened once the rounds are about to start
-        self.report = TrainReport(config=cfg.as_dict(), out_path=os.path.abspath(cfg.out))
+        self.report = TrainReport(config=cfg.as_dict(), out_path=os.path.realpath(cfg.out))
         self.outputs = RunOutputs(cfg, ctx.rank, self.talk)
         self.collections: Optional[CollectionRunner] = None   # made by setup(), with the communicator
         self.fit_digest: Optional[str] = None   # content of the first fit set (fingerprint)
@@ -126,6 +127,7 @@ class Trainer:
         # What a checkpoint must match to be this run's: the settings that change what is
         # computed, the fit set's content (not its path) and the initial state's bytes.
         content = {"fitset": self.fit_digest, "init_state": pipeline.file_fingerprint(cfg.init_state)}
+        self.identity = {"settings": cfg.semantic(), **content}   # recorded in checkpoints
         self.fingerprint = fs.settings_key({"settings": cfg.fingerprint(), **content})[:16]
         self.fingerprint_before = fs.settings_key({"settings": cfg.fingerprint(with_paths=True), **content})[:16]
 
@@ -354,12 +356,14 @@ class Trainer:
         resume.save_round(root, engine=self.engine, comm=self.comm, nodes=self.nodes, state=self.state,
                           param=self.adapter.param, fingerprint=self.fingerprint, report=self.report,
                           best=self.best, collected_under=self.collected_under, keep=self.cfg.keep_checkpoints,
-                          resumable={k: getattr(self.cfg, k) for k in RESUMABLE}, faults=self.faults)
+                          resumable={k: getattr(self.cfg, k) for k in RESUMABLE}, identity=self.identity,
+                          faults=self.faults)
 
     def try_resume(self) -> None:
         self.fingerprint = resume.written_under(self.cfg, self.comm, self.nodes,
                                                 (self.fingerprint, self.fingerprint_before))
-        agreed = resume.agreed_round(self.cfg, self.comm, self.nodes, self.rank, self.fingerprint)
+        agreed = resume.agreed_round(self.cfg, self.comm, self.nodes, self.rank, self.fingerprint, self.identity,
+                                     talk=self.talk)
         if agreed == 0:
             self.talk("resume auto: no complete checkpoint on every rank; starting from round 0")
             return

@@ -120,7 +120,7 @@ def test_a_yaml_null_for_an_optional_key_is_still_none(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("task_path:\nlora_basis_seed: null\nout: runs/x\n")
     cfg = load("--config", str(path))
-    assert cfg.task_path is None and cfg.lora_basis_seed is None and cfg.out == "runs/x"
+    assert cfg.task_path is None and cfg.lora_basis_seed is None and cfg.out == os.path.realpath("runs/x")
 
 
 # ------------------------------------------------------------------ 5. the device
@@ -151,3 +151,39 @@ def test_the_train_command_refuses_device_tpu_in_one_line(tmp_path, capsys):
     assert rc == 2 and out == "" and error_lines(err) == [
         "admm_dist.train: error: device='tpu' is not supported: use auto, cpu, cuda or cuda:N (e.g. device=cuda:0)"]
     assert not os.path.exists(tmp_path / "run")
+
+
+# ------------------------------------------------------------------ 6. ceilings of a config file (issue 40)
+BOMB = ("k_outer: [&a [1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b], "
+        "&d [*c,*c,*c,*c,*c,*c,*c,*c,*c], &e [*d,*d,*d,*d,*d,*d,*d,*d,*d], &f [*e,*e,*e,*e,*e,*e,*e,*e,*e], "
+        "&g [*f,*f,*f,*f,*f,*f,*f,*f,*f], &h [*g,*g,*g,*g,*g,*g,*g,*g,*g], &i [*h,*h,*h,*h,*h,*h,*h,*h,*h]]\n")
+
+
+@pytest.mark.parametrize("text", [BOMB, "rho: 0.1\nk_outer: &a [*a]\n"], ids=["bomb", "recursive"])
+def test_an_alias_bomb_is_refused_in_one_line_without_being_built(tmp_path, text):
+    """Nine aliases nine deep in a valid key took 3.6 GB, then a MemoryError traceback."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert one_line_error("--config", str(path)) == (
+        f"{path} holds more than 10000 values once its aliases (*name) are expanded, the ceiling of a config "
+        "file (MAX_CONFIG_NODES): a config is flat key: value pairs; write each value once")
+
+
+def test_nesting_past_its_ceiling_is_refused_naming_the_line(tmp_path):
+    """5000 levels were a RecursionError traceback; 32 still load."""
+    path = tmp_path / "c.yaml"
+    path.write_text("rho: 0.1\nreport_to: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert one_line_error("--config", str(path)) == (
+        f"{path}: line 2: nested deeper than 32 levels, the ceiling of a config file (MAX_CONFIG_DEPTH): a config "
+        "is flat key: value pairs; flatten the value")
+    path.write_text("x: " + "[" * 31 + "]" * 31 + "\n")
+    assert C.load_yaml(str(path)) == yaml.safe_load(path.read_text())
+
+
+def test_a_config_file_over_its_size_ceiling_is_refused_unread(tmp_path):
+    from admm_dist.core.constants import MAX_CONFIG_BYTES
+    path = tmp_path / "c.yaml"
+    path.write_text("rho: 0.1\n" + "#" * MAX_CONFIG_BYTES + "\n")
+    assert one_line_error("--config", str(path)) == (
+        f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes, the ceiling of a config file "
+        "(MAX_CONFIG_BYTES): give a YAML file of key: value lines, e.g. --config configs/cpu/admm_ring.yaml")

@@ -61,3 +61,27 @@ def test_a_write_gets_the_mode_of_a_plain_open(tmp_path):
         os.umask(old)
     assert (tmp_path / "f").read_bytes() == b"data"
     assert os.stat(tmp_path / "f").st_mode & 0o777 == 0o640
+
+
+def test_a_write_replaces_a_link_at_its_path_and_never_writes_its_target(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("precious\n")
+    link = tmp_path / "report.json"
+    os.symlink(target, link)
+    atomic_write_bytes(str(link), b"the report\n")
+    assert not os.path.islink(link) and link.read_bytes() == b"the report\n"
+    assert target.read_text() == "precious\n"
+    assert sorted(os.listdir(tmp_path)) == ["precious.txt", "report.json"]     # no temporary left
+
+
+def test_a_folder_the_trainer_owns_is_never_a_link(tmp_path):
+    from admm_dist.core.errors import UserError
+    from admm_dist.core.io import own_folder
+
+    assert own_folder(str(tmp_path / "a" / "b"), "the checkpoint folder") == str(tmp_path / "a" / "b")
+    os.symlink(tmp_path / "a", tmp_path / "link")
+    with pytest.raises(UserError, match="is a symbolic link, where the trainer keeps its own folder"):
+        own_folder(str(tmp_path / "link"), "the checkpoint folder")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="exists and is not a folder"):
+        own_folder(str(tmp_path / "file"), "the checkpoint folder")

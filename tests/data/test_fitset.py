@@ -253,3 +253,30 @@ def test_settings_key_stable():
     a = settings_key({"b": 1, "a": [1, 2], "c": "é"})
     assert a == settings_key({"c": "é", "a": [1, 2], "b": 1}) and len(a) == 64
     assert a != settings_key({"b": 2, "a": [1, 2], "c": "é"})
+
+
+def test_a_line_over_its_ceiling_is_refused_before_it_is_parsed(tmp_path):
+    """A 20 MB prompt aborted the tokenizer (rc 134): a line over MAX_FITSET_LINE_BYTES is refused
+    while the file is read (here 1 MiB + 1), and save_fitset refuses to write one."""
+    from admm_dist.core.constants import MAX_FITSET_LINE_BYTES
+    path = tmp_path / "fs.jsonl"
+    save_fitset(str(path), sample_sft(), fit_mode="sft", settings=SETTINGS)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    fits = json.loads(lines[2])
+    fits["prompt"] = ""
+    fits["prompt"] = "p" * (MAX_FITSET_LINE_BYTES - len(json.dumps(fits)))     # exactly at the ceiling
+    lines[2] = json.dumps(fits)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert len(load_fitset(str(path)).examples[1].prompt) > MAX_FITSET_LINE_BYTES - 300
+    lines[2] = json.dumps(dict(fits, prompt=fits["prompt"] + "p"))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(FitSetError) as err:
+        load_fitset(str(path))
+    assert str(err.value) == (
+        f"{path}: line 3 is longer than {MAX_FITSET_LINE_BYTES} bytes, the ceiling of a fit-set line "
+        "(MAX_FITSET_LINE_BYTES): no example is that long; the file is not one admm_dist wrote, or was edited: "
+        "rebuild the fit set")
+    big = sft(0, "q", "t", prompt="p" * MAX_FITSET_LINE_BYTES)
+    with pytest.raises(FitSetError, match=r"example 1 is \d+ bytes as a fit-set line, over the ceiling 1048576"):
+        save_fitset(str(tmp_path / "big.jsonl"), [sft(0, "q", "t"), big], fit_mode="sft", settings=SETTINGS)
+    assert not (tmp_path / "big.jsonl").exists()

@@ -181,3 +181,26 @@ def test_segmented_ring_is_bit_identical_and_metered_exactly(n):
         assert torch.equal(v, vs[r])
         assert sent == ring_bytes_per_rank(P_ODD, n, r)
         assert recv == ring_bytes_per_rank(P_ODD, n, (r - 1) % n)
+
+
+def _die_at_once_or_report(ctx, p, where):
+    comm = make_communicator("ring", n_nodes=ctx.world_size, timeout=datetime.timedelta(seconds=40))
+    if ctx.rank == 1:
+        raise SystemExit(3)  # dies before the exchange: its sockets close at once
+    try:
+        comm.consensus_([torch.ones(p)])
+    except CommError as e:
+        with open(where, "w") as fh:
+            fh.write(str(e))
+
+
+def test_a_peer_that_died_at_once_is_not_called_a_timeout(tmp_path):
+    where = tmp_path / "message.txt"
+    t0 = time.monotonic()
+    with pytest.raises(ChildFailedError):
+        launch_cpu(_die_at_once_or_report, 2, 1000, str(where), timeout_s=40)
+    msg = where.read_text()
+    if time.monotonic() - t0 < 30:     # the failure came well before the 40 s bound
+        assert "failed after" in msg and "not a timeout" in msg and "timed out" not in msg, msg
+    else:
+        assert "timed out after 40s" in msg, msg

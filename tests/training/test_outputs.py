@@ -431,3 +431,161 @@ def test_a_checkpoint_that_lacks_a_node_is_refused_naming_it(assets, tmp_path, c
     assert _run(capsys, assets, tmp_path, k_outer=4, resume="auto")[0] == 0
     report = json.loads(_bytes(tmp_path / "reports" / "run-train.json"))
     assert report["resumed"]["after_round"] == 2
+
+
+# ---------------------------------------------------------------- issue 40: nothing lost, round 4
+def _holding(lock_code: str):
+    """A process that takes a lock by ``lock_code`` (product code) and holds it until its stdin closes."""
+    import subprocess
+    import sys
+
+    code = f"import sys\n{lock_code}\nprint('locked', flush=True)\nsys.stdin.read()\n"
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def _release(holder):
+    holder.stdin.close()
+    holder.wait(timeout=30)
+
+
+def test_a_planted_lock_link_is_refused_and_its_target_kept(assets, tmp_path, capsys):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("precious\n")
+    (tmp_path / "runs").mkdir()
+    os.symlink(precious, tmp_path / "runs" / "run.lock")
+    rc, err = _run(capsys, assets, tmp_path, dry_run="true")
+    assert rc == 2 and len(err) == 1, err
+    assert "run.lock is a symbolic link, not a lock file" in err[0]
+    assert precious.read_text() == "precious\n"
+
+
+def test_a_linked_out_is_the_folder_it_names(assets, tmp_path, capsys):
+    real, link = tmp_path / "runs" / "real", tmp_path / "runs" / "link"
+    real.mkdir(parents=True)
+    os.symlink(real, link)
+    holder = _live_run_locks(assets, tmp_path, out=str(real))
+    try:       # a live run in real/: the same folder by another name is refused, untouched
+        rc, err = _run(capsys, assets, tmp_path, out=str(link), rho=0.2)
+        assert rc == 2 and len(err) == 1 and f"out={real} is in use by a running job (pid {holder.pid}" in err[0]
+        assert os.listdir(real) == []
+    finally:
+        _release(holder)
+    assert _run(capsys, assets, tmp_path, out=str(link))[0] == 0
+    with open(tmp_path / "reports" / "real-train.json") as fh:
+        assert json.load(fh)["out_path"] == str(real)          # the real path in every record
+    assert os.path.isfile(str(real) + "-last.safetensors") and os.path.isdir(str(real) + ".ckpt")
+    rc, err = _run(capsys, assets, tmp_path, out=str(real), rho=0.2)   # and the run is found by either name
+    assert rc == 2 and "already holds a run" in err[0]
+
+
+def _live_run_locks(assets, tmp, **kw):
+    """A process holding the locks a live run with these settings holds (RunOutputs.make_lock)."""
+    from conftest import tiny_settings
+
+    live = dict(tiny_settings(assets), report_dir=str(tmp / "reports"), **kw)
+    return _holding(f"from admm_dist.training.config import TrainConfig\n"
+                    f"from admm_dist.training.outputs import RunOutputs\n"
+                    f"RunOutputs(TrainConfig(**{live!r}), 0, print).make_lock().acquire()")
+
+
+def test_an_out_aimed_at_a_live_runs_report_is_refused(assets, tmp_path, capsys):
+    holder = _live_run_locks(assets, tmp_path, out=str(tmp_path / "runs" / "a"))
+    try:
+        report = os.path.join(str(tmp_path / "reports"), "a-train.json")
+        rc, err = _run(capsys, assets, tmp_path, out=report)
+        assert rc == 2 and len(err) == 1 and f"is in use by a running job (pid {holder.pid}" in err[0], err
+        assert not os.path.exists(report)                       # the live run's report path stays free
+    finally:
+        _release(holder)
+
+
+def _z_of(path):
+    from safetensors.torch import load_file
+    return load_file(path)
+
+
+def test_a_checkpoint_pair_from_another_round_is_not_trained_on(assets, tmp_path, capsys):
+    import shutil
+
+    a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    assert _run(capsys, assets, tmp_path, out=str(a), k_outer=3, local_steps=2)[0] == 0
+    shutil.copytree(str(a) + ".ckpt", str(b) + ".ckpt")          # b: the same checkpoints, untouched
+    r2, r3 = ckpt.round_dir(str(a) + ".ckpt", 2), ckpt.round_dir(str(a) + ".ckpt", 3)
+    for ext in (".json", ".safetensors"):                          # a: node 1 of round 3 is round 2's pair
+        shutil.copyfile(os.path.join(r2, f"node-1{ext}"), os.path.join(r3, f"node-1{ext}"))
+    assert ckpt.completed_rounds(str(a) + ".ckpt", [0, 1, 2]) == [1, 2]
+    with pytest.raises(ckpt.CheckpointError, match="names round 2, node 1, not round 3, node 1"):
+        ckpt.load_node(str(a) + ".ckpt", 3, 1, json.load(open(os.path.join(r3, "node-0.json")))["fingerprint"])
+    for out in (a, b):
+        rc, err = _run(capsys, assets, tmp_path, out=str(out), k_outer=4, local_steps=2, resume="auto",
+                       quiet="false")
+        assert rc == 0, err
+    ta, tb = _z_of(str(a) + "-last.safetensors"), _z_of(str(b) + "-last.safetensors")
+    assert ta.keys() == tb.keys() and all((ta[k] == tb[k]).all() for k in ta)   # fell back a round: the same bits
+
+
+def test_final_node_files_and_the_seat_map_must_name_their_place(assets, tmp_path, capsys):
+    import shutil
+
+    import torch
+
+    from admm_dist.core.errors import UserError
+    from admm_dist.mas.evaluation import from_state
+    from admm_dist.model.adapter import BOnlyLoRA
+    from admm_dist.model.loading import load_model
+
+    out = tmp_path / "runs" / "run"
+    assert _run(capsys, assets, tmp_path)[0] == 0
+    seats = lambda cfg: list(range(N))    # noqa: E731
+    from_state(str(out), "consensus", N, seats)                    # the run's own files load
+    shutil.copyfile(out / "node-0.safetensors", out / "node-1.safetensors")
+    deploy = from_state(str(out), "local", N, seats)
+    model, _ = load_model(assets["backbone"], torch.device("cpu"))
+    adapter = BOnlyLoRA(model, deploy.adapter_config)
+    with pytest.raises(UserError, match="holds node 0's state, not node 1's: it was copied from another file"):
+        deploy.vectors(adapter)
+
+
+def test_a_refused_resume_names_the_setting_that_differs(assets, tmp_path, capsys):
+    assert _run(capsys, assets, tmp_path, rho=0.1)[0] == 0
+    rc, err = _run(capsys, assets, tmp_path, rho=0.2, k_outer=3, resume="auto")
+    assert rc == 2 and len(err) == 1, err
+    assert "were written by another run" in err[0] and "it differs in rho 0.1 there, 0.2 here" in err[0], err[0]
+
+
+def test_no_result_file_is_written_through_a_planted_link(assets, tmp_path, capsys):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep.txt").write_text("precious\n")
+    (precious / "sub").mkdir()
+    (precious / "sub" / "keep.txt").write_text("precious\n")
+    out = tmp_path / "runs" / "run"
+    out.mkdir(parents=True)
+    (tmp_path / "reports").mkdir()
+    plants = {out / "node-0.safetensors": precious / "keep.txt", out / "config.yaml": precious / "keep.txt",
+              tmp_path / "runs" / "run-last.safetensors": precious / "keep.txt",
+              tmp_path / "runs" / ".run-last.safetensors.staged": precious / "keep.txt",
+              tmp_path / "runs" / "run-last-peft": precious / "sub",
+              tmp_path / "reports" / "run-train.json": precious / "keep.txt"}
+    for link, target in plants.items():
+        os.symlink(target, link)
+    rc, err = _run(capsys, assets, tmp_path, export_peft="true", overwrite="true")
+    assert rc == 0, err
+    assert (precious / "keep.txt").read_text() == "precious\n" and (precious / "sub" / "keep.txt").exists()
+    assert sorted(os.listdir(precious)) == ["keep.txt", "sub"] and os.listdir(precious / "sub") == ["keep.txt"]
+    for link in plants:                        # each name now holds the run's own file, not a link
+        assert not os.path.islink(link) or not os.path.lexists(link), link
+    assert os.path.isdir(tmp_path / "runs" / "run-last-peft") and os.path.isfile(out / "config.yaml")
+
+
+def test_a_planted_link_for_a_checkpoint_round_folder_is_refused(assets, tmp_path, capsys):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    root = tmp_path / "runs" / "run.ckpt"
+    root.mkdir(parents=True)
+    os.symlink(elsewhere, root / "round-000001")
+    rc, err = _run(capsys, assets, tmp_path, resume="auto")
+    assert rc == 2 and len(err) == 1 and "round-000001 is a symbolic link" in err[0], err
+    assert os.listdir(elsewhere) == []

@@ -20,6 +20,7 @@ bit for bit where the summation order is ours (ring, gossip).
 from __future__ import annotations
 
 import abc
+import time
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -44,12 +45,20 @@ def first_line(e: BaseException) -> str:
 def wait_all(works: Sequence, timeout, what: str, rank: int) -> None:
     """Wait for every pending operation, each bounded by ``timeout``; a failure or a timeout is
     a :class:`CommError` naming the rank and the step."""
+    start = time.monotonic()
     try:
         for w in works:
             w.wait(timeout)
     except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with long texts
-        raise CommError(f"rank {rank}: {what} failed or timed out after "
-                        f"{timeout.total_seconds():.0f}s ({first_line(e)})") from e
+        raise CommError(f"rank {rank}: {what} {_how_long(time.monotonic() - start, timeout.total_seconds())} "
+                        f"({first_line(e)})") from e
+
+
+def _how_long(elapsed: float, bound: float) -> str:
+    """A failed wait's phrase: it timed out (it took about the bound), or it failed at once."""
+    if elapsed >= 0.9 * bound:
+        return f"timed out after {bound:.0f}s"
+    return f"failed after {elapsed:.1f}s (a peer closed the connection or stopped, not a timeout)"
 
 
 # A message between two nodes: (source node, destination node, payload (at the source's rank;
