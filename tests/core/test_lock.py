@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from admm_dist.core.lock import LockedError, MalformedLock, OutputLock, parse_holder
+from admm_dist.core.lock import LockedError, OutputLock
 
 
 def _lock(path):
@@ -58,6 +58,8 @@ def test_a_lock_that_is_a_fifo_or_a_folder_is_refused_naming_it(tmp_path, kind):
     ({"start": "not digits"}, "'start'"),
 ])
 def test_every_lock_field_is_validated(fields, why):
+    from admm_dist.core.lock import MalformedLock, parse_holder
+
     d = dict({"pid": 123, "host": "h", "start": "1", "job": None, "since": 1.0}, **fields)
     with pytest.raises(MalformedLock, match=why):
         parse_holder(json.dumps(d).encode())
