@@ -20,7 +20,7 @@ below it (``tests/test_layers.py``):
     cli       argument parsing for every command
     bench     benchmarks
 
-See README.md and DESIGN.md.
+See README.md and docs/design.md.
 """
 
 __version__ = "0.1.0"

@@ -25,7 +25,7 @@ class Arm:
     name: str
     overrides: tuple          # key=value strings on top of the config
     deploy: str               # consensus: one z on every seat; local: each seat its node's state
-    role: str                 # what the seed's Table 2 makes of it
+    role: str                 # what the reference implementation's Table 2 makes of it
     default: bool = True      # run when --arms is not given
 
 

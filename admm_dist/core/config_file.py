@@ -2,11 +2,12 @@
 
 Overrides take either form, and may be mixed:
 
-    --rho 0.1 --local_only          # the seed's flag style (a bare flag sets a bool to true)
+    --rho 0.1 --local_only          # the reference implementation's flag style (a bare flag
+                                    # sets a bool to true)
     rho=0.1 local_only=true         # key=value
 
-Keys are the dataclass's field names (the seed's flag names). Unknown keys,
-in the YAML file or on the command line, are rejected with the closest valid
+Keys are the dataclass's field names (the reference implementation's flag names). Unknown
+keys, in the YAML file or on the command line, are rejected with the closest valid
 name; values are converted to the field's type, and the dataclass's
 ``__post_init__`` says how to fix a bad value. :func:`to_yaml_dict` gives the
 resolved configuration that rank 0 writes next to the outputs.
@@ -46,29 +47,47 @@ def default_of(component: type, name: str) -> Any:
     return field.default
 
 
+# What a key is to a run's fingerprint (the identity a checkpoint must match), said once at the key:
+# - "value": it changes what is computed; its value is fingerprinted (the default);
+# - "ignored": it does not change the numbers (a path, logging, a bound, memory, k_outer);
+# - "content": a file whose content the trainer fingerprints, not its path (moved, it still resumes);
+# - "resumable": it changes the numbers but may change on resume (a checkpoint records it).
+FINGERPRINT_ROLES = ("value", "ignored", "content", "resumable")
+
+
 def key(default: Any, help: str, *, choices: Any = None, group: Optional[str] = None,
-        metavar: Optional[str] = None, at_most: Optional[float] = None) -> Any:
+        metavar: Optional[str] = None, at_most: Optional[float] = None, fingerprint: str = "value") -> Any:
     """A configuration field with its one-line ``help``, its ``choices`` (a constant list or
-    dict of the owning module; a dict gives its keys), its ``--help`` ``group`` and, for a
-    setting that sizes memory or work, its ceiling ``at_most`` (see :func:`check_ceilings`)."""
+    dict of the owning module; a dict gives its keys), its ``--help`` ``group``, for a setting
+    that sizes memory or work its ceiling ``at_most`` (see :func:`check_ceilings`), and what it is
+    to a run's ``fingerprint`` (:data:`FINGERPRINT_ROLES`)."""
     if not help.strip() or "\n" in help:
         raise TypeError(f"help must be one non-empty line, got {help!r}")
+    if fingerprint not in FINGERPRINT_ROLES:
+        raise TypeError(f"fingerprint={fingerprint!r}: one of {FINGERPRINT_ROLES}")
     meta = {"help": help, "choices": None if choices is None else tuple(choices), "group": group,
-            "metavar": metavar, "at_most": at_most}
+            "metavar": metavar, "at_most": at_most, "fingerprint": fingerprint}
     return dataclasses.field(default=default, metadata=meta)
 
 
 def from_component(component: type, name: str, *, group: Optional[str] = None,
                    at_most: Optional[float] = None) -> Any:
     """A flat field that mirrors field ``name`` of the dataclass ``component``: its default, help,
-    choices and ceiling are the component's (written once, there); ``group`` places it in
-    ``--help``; ``at_most`` gives the flat key a ceiling its component does not check."""
+    choices, ceiling and fingerprint role are the component's (written once, there); ``group``
+    places it in ``--help``; ``at_most`` gives the flat key a ceiling its component does not check."""
     field = _fields(component)[name]
     if not field.metadata.get("help"):
         raise TypeError(f"{component.__name__}.{name} has no help: define it with config_file.key")
     return dataclasses.field(default=default_of(component, name), metadata={
         **field.metadata, "group": group or field.metadata.get("group"), "component": component,
         "at_most": field.metadata.get("at_most") if at_most is None else at_most})
+
+
+def keys_by_fingerprint(cls: type, role: str) -> Tuple[str, ...]:
+    """The keys of ``cls`` whose fingerprint role is ``role`` (:data:`FINGERPRINT_ROLES`), in order."""
+    if role not in FINGERPRINT_ROLES:
+        raise ValueError(f"role={role!r}: one of {FINGERPRINT_ROLES}")
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("fingerprint", "value") == role)
 
 
 def _number(v: Any) -> str:

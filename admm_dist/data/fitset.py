@@ -1,8 +1,8 @@
 """Fit sets: the role-local training examples of the MAS and their file format.
 
-A fit set is the list of :class:`Example` s that the seats are trained on (DESIGN.md sections
-4 and 5), together with the collection settings it was built under. This module owns the
-example and fit-set types, the file (its format, checks, :func:`save_fitset` and
+A fit set is the list of :class:`Example` s that the seats are trained on (docs/design.md
+sections 3 and 4), together with the collection settings it was built under. This module owns
+the example and fit-set types, the file (its format, checks, :func:`save_fitset` and
 :func:`load_fitset`), :func:`settings_diff` and the keys of a fit set's settings and contents.
 What runs between loading and training lives beside it:
 

@@ -1,4 +1,4 @@
-"""Which rows of a task train and which evaluate (DESIGN.md section 5).
+"""Which rows of a task train and which evaluate (docs/design.md section 4).
 
 The task pool is shuffled once by the run's seed. Training queries come from its end (or
 from ``anchor_offset``), evaluation from its front; evaluation refuses rows whose anchor

@@ -1,4 +1,4 @@
-"""The consensus-ADMM state machine on flat vectors (DESIGN.md section 3).
+"""The consensus-ADMM state machine on flat vectors (docs/design.md section 2).
 
 Each node i holds x_i, z_i and the scaled dual u_i, all flat vectors of one
 layout. A round is:

@@ -76,7 +76,8 @@ class ChainConfig:
                                      "0: it does not generate)", at_most=MAX_TOKENS)
     temperature: float = key(0.8, "sampling temperature of on-policy rollouts (> 0)")
     top_p: float = key(0.95, "nucleus sampling: keep the smallest token set of this probability, in (0, 1]")
-    batch_size: int = key(64, "rows per generate call (memory only: results do not change)", at_most=MAX_GEN_BATCH)
+    batch_size: int = key(64, "rows per generate call (memory only: results do not change)", at_most=MAX_GEN_BATCH,
+                          fingerprint="ignored")
 
     def __post_init__(self) -> None:
         check_ceilings(self)

@@ -1,8 +1,8 @@
 """On-policy collection: the MAS rolls out training queries; its messages become fit sets.
 
 For each query the chain is sampled ``group`` times under the current adapters, and every
-adapted seat's message becomes an ``sft`` example labelled with the outcome (DESIGN.md
-section 5). The trainer derives ``dpo``/``rsft`` from it (:func:`admm_dist.data.derive.derive`).
+adapted seat's message becomes an ``sft`` example labelled with the outcome (docs/design.md
+section 4). The trainer derives ``dpo``/``rsft`` from it (:func:`admm_dist.data.derive.derive`).
 
 - ``credit shared``: ``group`` whole chains; every message of a chain is credited with the
   chain's outcome. DPO pairs a seat's message from a successful chain with one from a failed
@@ -51,17 +51,13 @@ COLLECT_KEY = ("task", "prompt", "think", "n_agents", "adapt_roles", "credit", "
                "max_new_tokens", "temperature", "top_p", "anchor_split", "anchor_pass_band",
                "anchor_pool", "anchor_offset", "task_path", "text_mas_context_length",
                "fit_prompt", "agent_models", "prefix_samples", "generation_backend")
-# Keys added after fit sets were first written, with the value that reproduces such a file:
-# they enter the key only when set otherwise, so an older cache stays valid. The one list of
-# them: a checkpoint's fingerprint (training/config.py) leaves them out the same way.
-LATER_KEYS = {"prefix_samples": 1, "generation_backend": "hf"}
 CREDITS = ("shared", "per_role")                 # credit: one reward for the chain, or per seat
 REWARDS = ("outcome", "judge", "gold_likelihood")  # reward: what scores a rollout
 
 
 def collect_key(cfg, *, init_sha: str = "none", collection: int = 0) -> Dict[str, Any]:
     """The settings a collected fit set is keyed by (a cache built otherwise is refused)."""
-    key = {k: getattr(cfg, k) for k in COLLECT_KEY if getattr(cfg, k) != LATER_KEYS.get(k, object())}
+    key = {k: getattr(cfg, k) for k in COLLECT_KEY}
     key.update(init_sha=init_sha, collection=collection, sampling_structure="on_policy")
     return key
 

@@ -1,4 +1,4 @@
-"""B-only LoRA: the adapter whose trainable state is one flat fp32 vector (DESIGN.md section 2).
+"""B-only LoRA: the adapter whose trainable state is one flat fp32 vector (docs/design.md section 1).
 
 Design
 ------
@@ -73,7 +73,7 @@ ADAPTER_NAME = "default"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdapterConfig:
-    """How the B-only LoRA adapter is built (DESIGN.md section 2)."""
+    """How the B-only LoRA adapter is built (docs/design.md section 1)."""
 
     lora_rank: int = key(16, "LoRA rank r (at most the smallest dimension of the projections it adapts)")
     lora_alpha: float = key(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) B A")

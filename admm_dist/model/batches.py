@@ -1,4 +1,4 @@
-"""Tokenisation and batching for the node objectives (DESIGN.md section 4).
+"""Tokenisation and batching for the node objectives (docs/design.md section 3).
 
 Owns :class:`Encoded` / :class:`EncodedSet` (the tokenised examples of one node, with their
 per-token masks and, once :func:`admm_dist.model.objectives.precompute_reference` has run,

@@ -1,4 +1,4 @@
-"""Node objectives f_i (DESIGN.md section 4): DPO, SFT and rejection-sampled SFT with a KL term.
+"""Node objectives f_i (docs/design.md section 3): DPO, SFT and rejection-sampled SFT with a KL term.
 
 Pipeline, for one node's examples::
 
@@ -38,7 +38,7 @@ Objectives (:func:`loss`), with per-sequence sums l = sum of masked token log-pr
     term is added by the caller).
 
 Reference (:func:`precompute_reference`)
-    The reference log-probs never change during training (DESIGN.md section 4), so they are
+    The reference log-probs never change during training (docs/design.md section 3), so they are
     computed once per example under the caller's reference context (e.g. PEFT's
     ``model.disable_adapter`` for ``kl_ref frozen``), with ``torch.no_grad()`` and the model
     in eval mode, stored on the :class:`~admm_dist.model.batches.Encoded` records (float32,

@@ -159,7 +159,7 @@ def previous_of(root: str, k: int, node: int) -> int:
 TENSORS = {"x": None, "z": None, "u": None, "rng_cpu": torch.uint8}
 META = {"fingerprint": str, "adam_step": (int, float), "sampler": (dict, type(None)), "history": list,
         "dev_curve": list, "rho": (int, float), "best": (list, type(None)), "round": int, "node": int,
-        "resumable": dict}
+        "resumable": dict, "collections": list, "anchor_keys_all": list, "identity": dict, "previous": int}
 
 
 def _check_layout(where: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]) -> None:

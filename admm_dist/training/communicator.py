@@ -1,4 +1,4 @@
-"""Which communicator a launch gets (DESIGN.md section 6): ``process_group`` under torchrun,
+"""Which communicator a launch gets (docs/design.md section 5): ``process_group`` under torchrun,
 each rank owning a contiguous block of the N nodes (one each when W = N), or ``local`` (every
 node in one process) without it.
 """

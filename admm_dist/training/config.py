@@ -1,6 +1,7 @@
-"""The training run's configuration: one flat dataclass keyed by the seed's flag names.
+"""The training run's configuration: one flat dataclass keyed by the reference implementation's
+flag names.
 
-The flat keys stay the seed's; the components own their fields. A key that belongs to a
+The flat keys stay the reference implementation's; the components own their fields. A key that belongs to a
 component (``ADMMConfig``, ``AdapterConfig``, ``ObjectiveConfig``, ``ChainConfig``,
 ``TrackingConfig``, ``Collector``) is made by :func:`~admm_dist.core.config_file.from_component`:
 its default, its one-line help and its choices are the component's field's, and its check is the
@@ -28,7 +29,7 @@ import unicodedata
 from typing import Any, Dict, Optional
 
 from admm_dist import tasks
-from admm_dist.core.config_file import check_ceilings, format_help, from_component, key
+from admm_dist.core.config_file import check_ceilings, format_help, from_component, key, keys_by_fingerprint
 from admm_dist.core.constants import (DEFAULT_TIMEOUT_S, MAX_BATCH_SIZE, MAX_GOSSIP_STEPS, MAX_KV_CACHE_GIB,
                                       MAX_LOCAL_STEPS, MAX_NODES, MAX_QUERIES, MAX_ROUNDS, MAX_SAMPLES,
                                       MAX_TIMEOUT_S, MAX_TOKENS)
@@ -41,38 +42,13 @@ from admm_dist.engine.comm import COMM_BACKENDS, COMPRESSIONS, MODES, TOPOLOGIES
 from admm_dist.engine.comm.compress import check_compress
 from admm_dist.engine.dist import DEVICE_FORMS, check_device
 from admm_dist.mas.chain import ChainConfig
-from admm_dist.mas.collection import LATER_KEYS, Collector
+from admm_dist.mas.collection import Collector
 from admm_dist.mas.prompts import prompt_modes, role_name
 from admm_dist.mas.seats import GENERATION_BACKENDS, ROLE_SETS, adapted_seats, parse_agent_models
 from admm_dist.model.adapter import AdapterConfig
 from admm_dist.model.objectives import KL_REFS, ObjectiveConfig
 from admm_dist.training.tracking import TrackingConfig
 
-# Keys that do not change what is computed: a checkpoint or a fit set made under
-# other values of these is still valid.
-NON_SEMANTIC = frozenset({
-    "out", "report_dir", "quiet", "resume", "checkpoint_every", "keep_checkpoints",
-    "k_outer", "timeout_s", "export_peft", "dry_run", "backend", "device", "dev_every",
-    "gen_batch_size", "overwrite", "max_delta_w_rel",
-    "vllm_max_model_len", "vllm_kv_cache_gib", "vllm_gpu_memory_utilization",
-    "report_to", "tracking_dir", "wandb_project", "wandb_mode",
-})
-# Paths of files the trainer fingerprints by their content (trainer.py): the checkpoint
-# fingerprint leaves the paths out, so a run whose fit set or initial state moved, or is named
-# by another path (relative, absolute), still resumes. Checkpoints written before 2026-12-05
-# hashed the paths too (``fingerprint(with_paths=True)``); they still resume.
-CONTENT_PATHS = frozenset({"fitset_cache", "init_state"})
-# Keys that change what is computed but may change when a run resumes (a step size that made the
-# iterates non-finite is lowered and the run continues): left out of the fingerprint, recorded in
-# every checkpoint, and a resumed run says which changed (docs/outputs.md).
-RESUMABLE = ("eta", "grad_clip")
-# Training keys added after checkpoints were first written, with the value that reproduces such
-# a run: the fingerprint leaves them out at that value, so an older checkpoint still resumes.
-TRAINING_LATER = {"compress": "none", "recollect_anchors": None}
-# The later keys a checkpoint's fingerprint leaves out at their old value: the fit-set ones
-# (mas/collection.py; prefix_samples entered the fingerprint together with the key, so always)
-# and the training ones.
-FINGERPRINT_LATER = {**{k: v for k, v in LATER_KEYS.items() if k != "prefix_samples"}, **TRAINING_LATER}
 # Keys that name a file, a folder or a model: a control character (newline, tab, NUL, ...) or a
 # leading or trailing space in one is a typo that would name another path, and is refused.
 PATH_KEYS = ("model_name", "task_path", "fitset_cache", "init_state", "out", "report_dir", "tracking_dir")
@@ -91,15 +67,16 @@ class TrainConfig:
                     "with a pre-built --fitset_cache only a label", group=SYSTEM)
     model_name: str = key("Qwen/Qwen3-8B", "the backbone: a local folder or a hub id", group=SYSTEM)
     device: str = key("auto", f"{DEVICE_FORMS}: auto takes CUDA when present; under torchrun a rank "
-                      "given cuda or auto takes cuda:LOCAL_RANK", metavar="DEVICE", group=SYSTEM)
+                      "given cuda or auto takes cuda:LOCAL_RANK", metavar="DEVICE", group=SYSTEM, fingerprint="ignored")
     seed: int = key(42, "the run's seed: query shuffle, rollouts, minibatches and the LoRA basis", group=SYSTEM)
     n_agents: int = from_component(ChainConfig, "n_agents", group=SYSTEM)
     adapt_roles: str = key("all", "seats that carry a trainable adapter: all, nonsink (all but the last), "
                            "middle (neither the first nor the last)", choices=ROLE_SETS, group=SYSTEM)
     backend: str = key("auto", "process_group (one node per torchrun rank), local (every node in this "
-                       "process), auto (the group when torchrun started one)", choices=COMM_BACKENDS, group=SYSTEM)
+                       "process), auto (the group when torchrun started one)", choices=COMM_BACKENDS, group=SYSTEM,
+                       fingerprint="ignored")
     timeout_s: float = key(DEFAULT_TIMEOUT_S, "bound in seconds on every collective and wait", group=SYSTEM,
-                           at_most=MAX_TIMEOUT_S)
+                           at_most=MAX_TIMEOUT_S, fingerprint="ignored")
 
     task_path: Optional[str] = key(None, "a local JSON/JSONL/CSV file of the task's rows instead of the hub",
                                    metavar="PATH", group=DATA)
@@ -141,14 +118,14 @@ class TrainConfig:
     generation_backend: str = key("hf", "hf (transformers generate, seeded per row, bit for bit) or vllm "
                                   "(a vLLM engine per rank; docs/vllm.md)", choices=GENERATION_BACKENDS, group=GEN)
     vllm_max_model_len: int = key(4096, "the engine's longest prompt plus reply, in tokens", group=GEN,
-                                  at_most=MAX_TOKENS)
+                                  at_most=MAX_TOKENS, fingerprint="ignored")
     vllm_kv_cache_gib: float = key(1.0, "CPU: the KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)", group=GEN,
-                                   at_most=MAX_KV_CACHE_GIB)
+                                   at_most=MAX_KV_CACHE_GIB, fingerprint="ignored")
     vllm_gpu_memory_utilization: float = key(0.5, "GPU: the engine's share of GPU memory, in (0, 1); the "
-                                             "trainer holds the rest", group=GEN)
+                                             "trainer holds the rest", group=GEN, fingerprint="ignored")
 
     fitset_cache: Optional[str] = key(None, "the fit set: read from this file if it exists, else collected "
-                                      "on-policy and saved there", metavar="PATH", group=DATA)
+                                      "on-policy and saved there", metavar="PATH", group=DATA, fingerprint="content")
     fit_filter: str = key("drop_unclosed_think", "what is dropped before training: none, or messages whose "
                           "<think> block never closed", choices=FIT_FILTERS, group=OBJ)
     dedup_targets: int = key(3, "at most this many examples of a node may share one target text (0: off)",
@@ -157,7 +134,7 @@ class TrainConfig:
                           "write <out>-best.safetensors (0: train on all); with recollect_every, of the first "
                           "collection's, kept for the whole run", group=HELD_OUT)
     dev_every: int = key(1, "measure the held-out NLL every N rounds (and after the last)", group=HELD_OUT,
-                         at_most=MAX_ROUNDS)
+                         at_most=MAX_ROUNDS, fingerprint="ignored")
     partition: str = key("seat", "seat: one node per adapted seat (the paper's setting); anchor: pool the "
                          "examples and split them over nodes by query", choices=PARTITION_MODES, group=ADMM)
     empty_nodes: str = key("error", "a node without examples: error (refuse the run) or prox (its f_i = 0: "
@@ -165,9 +142,10 @@ class TrainConfig:
     n_partitions: int = key(0, "partition anchor: the number of nodes (0: one per adapted seat)", group=ADMM,
                             at_most=MAX_NODES)
     pooled: bool = key(False, "the centralized arm: every example on one node", group=ADMM)
-    dry_run: bool = key(False, "build the fit sets and stop before any gradient step", group=DATA)
+    dry_run: bool = key(False, "build the fit sets and stop before any gradient step", group=DATA,
+                        fingerprint="ignored")
     init_state: Optional[str] = key(None, "warm start: x^0 = z^0 = this saved adapter vector "
-                                    "(an <out>-last.safetensors)", metavar="FILE", group=DATA)
+                                    "(an <out>-last.safetensors)", metavar="FILE", group=DATA, fingerprint="content")
 
     fit_mode: str = from_component(ObjectiveConfig, "fit_mode", group=OBJ)
     dpo_beta: float = from_component(ObjectiveConfig, "dpo_beta", group=OBJ)
@@ -190,14 +168,14 @@ class TrainConfig:
     lora_basis_seed: Optional[int] = key(None, "seed of the frozen random basis A, the same on every rank "
                                          "(none: --seed)", group=ADAPTER)
 
-    k_outer: int = key(20, "ADMM rounds T", group=ADMM, at_most=MAX_ROUNDS)
+    k_outer: int = key(20, "ADMM rounds T", group=ADMM, at_most=MAX_ROUNDS, fingerprint="ignored")
     local_steps: int = key(16, "local Adam steps L per x-step", group=ADMM, at_most=MAX_LOCAL_STEPS)
     batch_size: int = key(8, "examples per local Adam step (a node with fewer repeats them)", group=ADMM,
                           at_most=MAX_BATCH_SIZE)
-    eta: float = key(1e-3, "Adam learning rate (may change on resume=auto)", group=ADMM)
+    eta: float = key(1e-3, "Adam learning rate (may change on resume=auto)", group=ADMM, fingerprint="resumable")
     rho: float = from_component(ADMMConfig, "rho", group=ADMM)
     grad_clip: float = key(0.01, "clip each local step's gradient to this norm (may change on resume=auto)",
-                           group=ADMM)
+                           group=ADMM, fingerprint="resumable")
     consensus: str = key("ring", "how the z-step averages: coordinator (one all_reduce), ring (ring "
                          "all-reduce on send/recv), gossip (neighbour mixing on --topology; inexact), "
                          "decentralized (node-based decentralized ADMM on --topology: one neighbour "
@@ -217,17 +195,21 @@ class TrainConfig:
     rho_tau: float = from_component(ADMMConfig, "rho_tau", group=ADMM)
 
     out: str = key("runs/admm", "the run's name: it writes <out>/, <out>-last.safetensors and <out>.ckpt/",
-                   metavar="PATH", group=OUT)
-    report_dir: str = key("results", "folder of the training report <name>-train.json", metavar="DIR", group=OUT)
-    quiet: bool = key(False, "no progress bars and no per-round lines", group=OUT)
-    checkpoint_every: int = key(1, "write a checkpoint every N rounds", group=OUT, at_most=MAX_ROUNDS)
-    keep_checkpoints: int = key(3, "keep this run's last N checkpoints", group=OUT, at_most=MAX_ROUNDS)
+                   metavar="PATH", group=OUT, fingerprint="ignored")
+    report_dir: str = key("results", "folder of the training report <name>-train.json", metavar="DIR", group=OUT,
+                          fingerprint="ignored")
+    quiet: bool = key(False, "no progress bars and no per-round lines", group=OUT, fingerprint="ignored")
+    checkpoint_every: int = key(1, "write a checkpoint every N rounds", group=OUT, at_most=MAX_ROUNDS,
+                                fingerprint="ignored")
+    keep_checkpoints: int = key(3, "keep this run's last N checkpoints", group=OUT, at_most=MAX_ROUNDS,
+                                fingerprint="ignored")
     resume: str = key("never", "never (a fresh run) or auto (continue from the last round every rank "
-                      "completed)", choices=RESUME_MODES, group=OUT)
-    overwrite: bool = key(False, "a fresh run may replace the run already in --out", group=OUT)
+                      "completed)", choices=RESUME_MODES, group=OUT, fingerprint="ignored")
+    overwrite: bool = key(False, "a fresh run may replace the run already in --out", group=OUT, fingerprint="ignored")
     max_delta_w_rel: float = key(10.0, "a result whose ||dW|| / ||W|| is above this diverged and is refused",
-                                 group=OUT)
-    export_peft: bool = key(False, "also write <out>-last-peft/, a standard PEFT adapter folder", group=OUT)
+                                 group=OUT, fingerprint="ignored")
+    export_peft: bool = key(False, "also write <out>-last-peft/, a standard PEFT adapter folder", group=OUT,
+                            fingerprint="ignored")
     report_to: str = from_component(TrackingConfig, "report_to", group=TRACK)
     tracking_dir: Optional[str] = from_component(TrackingConfig, "tracking_dir", group=TRACK)
     wandb_project: str = from_component(TrackingConfig, "wandb_project", group=TRACK)
@@ -399,17 +381,20 @@ class TrainConfig:
     def as_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def semantic(self, *, with_paths: bool = False) -> Dict[str, Any]:
-        """Every setting that changes what is computed (what a checkpoint records of its run), but
-        the paths of CONTENT_PATHS (``with_paths``: with them, as checkpoints before 2026-12-05 were
-        written)."""
-        skip = NON_SEMANTIC if with_paths else NON_SEMANTIC | CONTENT_PATHS
-        return {k: v for k, v in self.as_dict().items()
-                if k not in skip and k not in RESUMABLE and FINGERPRINT_LATER.get(k, object()) != v}
+    def semantic(self) -> Dict[str, Any]:
+        """Every setting that changes what is computed (its fingerprint role is "value", said at
+        each key): what a checkpoint records of its run."""
+        return {k: getattr(self, k) for k in keys_by_fingerprint(TrainConfig, "value")}
 
-    def fingerprint(self, *, with_paths: bool = False) -> str:
-        """Hash of :meth:`semantic` (for checkpoints)."""
-        return hashlib.sha256(json.dumps(self.semantic(with_paths=with_paths), sort_keys=True).encode()).hexdigest()[:16]
+    def fingerprint(self) -> str:
+        """Hash of :meth:`semantic` (the trainer adds the content of the fit set and init_state)."""
+        return hashlib.sha256(json.dumps(self.semantic(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Keys that change the numbers but may change when a run resumes (a step size that made the iterates
+# non-finite is lowered and the run continues): every checkpoint records them, and a resumed run says
+# which changed (docs/outputs.md).
+RESUMABLE = keys_by_fingerprint(TrainConfig, "resumable")
 
 
 def help_text() -> str:

@@ -1,4 +1,4 @@
-"""A run's outputs (DESIGN.md section 7): the paths checked before any work, the result files
+"""A run's outputs (docs/design.md section 7): the paths checked before any work, the result files
 written at the end, and the training report.
 
 - Before anything loads, :meth:`RunOutputs.check` locks the run's paths for its lifetime

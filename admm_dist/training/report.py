@@ -1,4 +1,4 @@
-"""The training report (``<report_dir>/<name>-train.json``, DESIGN.md section 7) as a typed recorder.
+"""The training report (``<report_dir>/<name>-train.json``, docs/design.md section 7) as a typed recorder.
 
 Every key the trainer reports is a field here, with its type and meaning; the trainer sets
 fields, and :meth:`TrainReport.as_dict` writes those that were set, in this order. A field

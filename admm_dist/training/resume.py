@@ -77,18 +77,6 @@ def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: 
     ckpt.prune(root, nodes, keep, fingerprint, upto=int(table[:, 0].min().item()))
 
 
-def written_under(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int],
-                  candidates: Sequence[str]) -> str:
-    """The fingerprint to resume under: the first of ``candidates`` (this version's, then how
-    earlier versions computed it for the same run) that a completed round of any rank carries;
-    the first when none does. Every rank gets the same answer."""
-    root = ckpt.ckpt_root(cfg.out)
-    rows = [[float(bool(ckpt.completed_rounds(root, [node], f))) for f in candidates] for node in nodes]
-    table = comm.gather_rows(torch.tensor(rows, dtype=torch.float64))
-    held = [j for j in range(len(candidates)) if table[:, j].max().item() > 0]
-    return candidates[held[0]] if held else candidates[0]
-
-
 def differences(then: Mapping[str, Any], now: Mapping[str, Any]) -> List[str]:
     """What differs between two runs' identities (:meth:`TrainConfig.semantic` and the content
     digests), as ``key there -> here`` phrases; empty when ``then`` records nothing."""
@@ -168,10 +156,10 @@ def agreed_round(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int], r
 def restore_collections(report: TrainReport, meta: Dict, upto: Optional[int]) -> None:
     """The report's record of the collections before collection ``upto`` (the one the resume
     makes again; all of them when None) and of every query trained on, from a checkpoint's meta
-    (absent: an older checkpoint, and the report keeps what this attempt collected)."""
-    if meta.get("collections"):
+    (empty in a run that has not collected yet: the report keeps what this attempt collected)."""
+    if meta["collections"]:
         report.collections = [c for c in meta["collections"] if upto is None or c.get("collection", 0) < upto]
-    if meta.get("anchor_keys_all"):
+    if meta["anchor_keys_all"]:
         report.anchor_keys_all = []
         report.add_anchor_keys(list(meta["anchor_keys_all"]))
         report.anchor_keys = list(report.anchor_keys_all)
@@ -210,13 +198,10 @@ def restore_round(cfg: TrainConfig, agreed: int, *, engine: "ADMMEngine", nodes:
     restore_collections(report, loaded[nodes[0]][1], again)
     if again is not None:
         kept = [loaded[node][0].get(COLLECTED_UNDER) for node in nodes]
-        missing = any(v is None for v in kept)
-        if missing and agreed % every:
-            raise CheckpointError(f"checkpoint {where} lacks the states of collection {again} "
-                                  f"(written by an older admm_dist): resume from round {again * every} "
-                                  "by deleting the round folders after it, or start again with overwrite=true")
-        # none kept: round `agreed` ends a collection's rounds, and its states are the collection's
-        recollect(again, None if missing else [v.to(device) for v in kept])
+        if any(v is None for v in kept):
+            raise CheckpointError(f"checkpoint {where} lacks the states of collection {again}: the file is damaged "
+                                  "or from another version; delete that round folder to resume from the one before")
+        recollect(again, [v.to(device) for v in kept])
     best: Optional[BestRound] = None
     for node, (tensors, meta) in loaded.items():
         st = state[node]

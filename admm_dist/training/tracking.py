@@ -60,11 +60,12 @@ EVENTS_GLOB = "events.out.tfevents.*"      # TensorBoard's event files
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrackingConfig:
     report_to: str = key("none", "where rank 0 logs every round's figures; join several with commas "
-                         "(tensorboard,wandb)", choices=TRACKERS)
+                         "(tensorboard,wandb)", choices=TRACKERS, fingerprint="ignored")
     tracking_dir: Optional[str] = key(None, "the trackers' folder (none: <report_dir>/tracking/<run name>)",
-                                      metavar="DIR")
-    wandb_project: str = key("admm_dist", "the Weights & Biases project")
-    wandb_mode: str = key("offline", "offline (sync later with wandb sync) or online", choices=WANDB_MODES)
+                                      metavar="DIR", fingerprint="ignored")
+    wandb_project: str = key("admm_dist", "the Weights & Biases project", fingerprint="ignored")
+    wandb_mode: str = key("offline", "offline (sync later with wandb sync) or online", choices=WANDB_MODES,
+                          fingerprint="ignored")
 
     def __post_init__(self) -> None:
         names = self.trackers

@@ -68,7 +68,6 @@ class Trainer:
     ocfg: ObjectiveConfig
     init_vec: Optional[torch.Tensor]        # init_state, the warm start
     fingerprint: str                        # what a checkpoint must match to be this run's
-    fingerprint_before: str                 # the same run's, as versions before 2026-12-05 computed it
     identity: Dict[str, Any]                # what the fingerprint hashes (checkpoints record it)
     # made by build_nodes()
     state: Dict[int, NodeState]
@@ -129,7 +128,6 @@ class Trainer:
         content = {"fitset": self.fit_digest, "init_state": pipeline.file_fingerprint(cfg.init_state)}
         self.identity = {"settings": cfg.semantic(), **content}   # recorded in checkpoints
         self.fingerprint = fs.settings_key({"settings": cfg.fingerprint(), **content})[:16]
-        self.fingerprint_before = fs.settings_key({"settings": cfg.fingerprint(with_paths=True), **content})[:16]
 
     def check_outputs(self) -> None:
         self.outputs.check(self.comm, len(self.nodes))
@@ -360,8 +358,6 @@ class Trainer:
                           faults=self.faults)
 
     def try_resume(self) -> None:
-        self.fingerprint = resume.written_under(self.cfg, self.comm, self.nodes,
-                                                (self.fingerprint, self.fingerprint_before))
         agreed = resume.agreed_round(self.cfg, self.comm, self.nodes, self.rank, self.fingerprint, self.identity,
                                      talk=self.talk)
         if agreed == 0:

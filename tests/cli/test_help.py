@@ -3,10 +3,8 @@ choices, default) by group, from the field metadata; evaluate --config takes a t
 settings and flags override them."""
 import contextlib
 import dataclasses
-import hashlib
 import importlib
 import io
-import json
 import re
 
 import pytest
@@ -15,7 +13,7 @@ from admm_dist.cli.evaluate import build_parser
 from admm_dist.core.config_file import ConfigError, from_component, key, meta, shown
 from admm_dist.core.text import plain
 from admm_dist.mas import evaluation
-from admm_dist.mas.collection import LATER_KEYS, CREDITS
+from admm_dist.mas.collection import CREDITS
 from admm_dist.mas.seats import ROLE_SETS
 from admm_dist.training import config as train_config
 from admm_dist.training.config import GROUPS, TrainConfig, help_text
@@ -103,26 +101,28 @@ def test_own_choices_are_checked_from_the_metadata():
     TrainConfig(fit_prompt=None, report_to="tensorboard,wandb")   # none, and a tracker list, pass
 
 
-def test_later_keys_have_one_source():
-    assert train_config.LATER_KEYS is LATER_KEYS
-    later = {**LATER_KEYS, **train_config.TRAINING_LATER}
-    assert not set(LATER_KEYS) & set(train_config.TRAINING_LATER)
-    assert all(later[k] == v for k, v in train_config.FINGERPRINT_LATER.items())
-    assert TrainConfig(compress="int8").fingerprint() != TrainConfig().fingerprint()
-    # the fingerprint: generation_backend only when not hf, prefix_samples always (leaving it
-    # out at 1 would orphan every checkpoint written since); eta and grad_clip may change on resume
-    for cfg in (TrainConfig(), TrainConfig(generation_backend="vllm")):
-        d = {k: v for k, v in cfg.as_dict().items() if k not in train_config.NON_SEMANTIC
-             and k not in train_config.RESUMABLE and not (k == "generation_backend" and v == "hf")
-             and not (k == "compress" and v == "none") and not (k == "recollect_anchors" and v is None)}
-        assert "prefix_samples" in d
-        # as checkpoints before 2026-12-05 were stamped; since then without the paths whose
-        # files the trainer fingerprints by content
-        assert cfg.fingerprint(with_paths=True) == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
-        d = {k: v for k, v in d.items() if k not in train_config.CONTENT_PATHS}
-        assert cfg.fingerprint() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
-    assert TrainConfig(fitset_cache="a.jsonl").fingerprint() == TrainConfig(fitset_cache="/b/a.jsonl").fingerprint()
-    assert TrainConfig(init_state="a").fingerprint() == TrainConfig().fingerprint()
+def test_each_key_says_once_what_it_is_to_the_fingerprint():
+    """The fingerprint is the declared "value" keys, pinned: a new key, a changed default or a
+    changed role changes these digests, and this test says so."""
+    from admm_dist.core.config_file import keys_by_fingerprint
+
+    assert TrainConfig().fingerprint() == "79571121bb5f57ab"
+    assert TrainConfig(rho=0.1, compress="int8").fingerprint() == "85d5a4cbd6100820"
+    assert train_config.RESUMABLE == ("eta", "grad_clip")
+    assert keys_by_fingerprint(TrainConfig, "content") == ("fitset_cache", "init_state")
+    assert set(keys_by_fingerprint(TrainConfig, "ignored")) == {
+        "backend", "checkpoint_every", "dev_every", "device", "dry_run", "export_peft", "gen_batch_size", "k_outer",
+        "keep_checkpoints", "max_delta_w_rel", "out", "overwrite", "quiet", "report_dir", "report_to", "resume",
+        "timeout_s", "tracking_dir", "vllm_gpu_memory_utilization", "vllm_kv_cache_gib", "vllm_max_model_len",
+        "wandb_mode", "wandb_project"}
+    base = TrainConfig().fingerprint()
+    for changed in (dict(k_outer=3, out="elsewhere", gen_batch_size=2, vllm_kv_cache_gib=4.0),    # ignored
+                    dict(fitset_cache="a.jsonl", init_state="b"),      # content: the trainer hashes the files
+                    dict(eta=0.5, grad_clip=2.0)):                     # resumable: recorded, may change
+        assert TrainConfig(**changed).fingerprint() == base, changed
+    for changed in (dict(compress="int8"), dict(generation_backend="vllm"), dict(prefix_samples=2, credit="per_role"),
+                    dict(recollect_anchors=4)):
+        assert TrainConfig(**changed).fingerprint() != base, changed
 
 
 # --------------------------------------------------------------------------- evaluate --config

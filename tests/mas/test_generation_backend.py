@@ -13,10 +13,10 @@ from admm_dist.training.config import TrainConfig
 NO_VLLM = importlib.util.find_spec("vllm") is None
 
 
-def test_hf_is_the_default_and_keeps_older_fingerprints_and_fit_set_keys():
+def test_hf_is_the_default_and_the_backend_keys_fingerprints_and_fit_sets():
     hf, vllm = TrainConfig(), TrainConfig(generation_backend="vllm")
     assert hf.generation_backend == "hf"
-    assert "generation_backend" not in collect_key(hf) and collect_key(vllm)["generation_backend"] == "vllm"
+    assert collect_key(hf)["generation_backend"] == "hf" and collect_key(vllm)["generation_backend"] == "vllm"
     assert hf.fingerprint() != vllm.fingerprint()
     # engine sizing does not change what is computed
     assert vllm.fingerprint() == TrainConfig(generation_backend="vllm", vllm_kv_cache_gib=4.0).fingerprint()

@@ -33,7 +33,8 @@ def test_no_collection_made_again_keeps_every_one():
     assert [c["collection"] for c in r.collections] == [0, 1, 2]
 
 
-def test_an_older_checkpoint_without_the_record_leaves_the_report_as_it_is():
+def test_an_empty_record_leaves_the_report_as_it_is():
+    """A checkpoint of a run that has collected nothing yet (its record is being made)."""
     r = _attempt()
-    restore_collections(r, {}, 1)
+    restore_collections(r, {"collections": [], "anchor_keys_all": []}, 1)
     assert [c["collection"] for c in r.collections] == [0] and r.anchor_keys_all == ["q0", "q1"]

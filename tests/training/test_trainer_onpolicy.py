@@ -155,7 +155,7 @@ def test_a_run_preempted_between_collections_resumes_bit_for_bit(tmp_path):
     with distributed("cpu", timeout_s=120) as ctx, pytest.raises(Preempted):
         PreemptedInRoundFive(_cfg(tmp_path / "cut", fitset_cache=str(tmp_path / "cut.jsonl"), **kw), ctx,
                              preempt=PreemptionFlag()).train()
-    _refuses_an_older_checkpoint_without_the_states(tmp_path, kw)
+    _refuses_a_checkpoint_without_the_states(tmp_path, kw)
     # the first attempt wrote its first collection to cut.jsonl: the resume reads it from there
     resumed = train_local(_cfg(tmp_path / "cut", fitset_cache=str(tmp_path / "cut.jsonl"), resume="auto", **kw))
     assert resumed["resumed"]["after_round"] == 5
@@ -174,10 +174,10 @@ def test_a_run_preempted_between_collections_resumes_bit_for_bit(tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), suffix
 
 
-def _refuses_an_older_checkpoint_without_the_states(tmp_path, kw):
-    """A copy of the preempted run whose round-5 files are what an older admm_dist wrote (no
-    ``collected_under``) cannot collect again as the run did: one line naming round 4, the last
-    collection's boundary; resuming from there, as it says, goes on."""
+def _refuses_a_checkpoint_without_the_states(tmp_path, kw):
+    """A copy of the preempted run whose round-5 files lack ``collected_under`` (damaged, or of
+    another version) cannot collect again as the run did: one line; deleting that round, as it
+    says, resumes from the one before."""
     import shutil
 
     from admm_dist.training import checkpoint as ckpt
@@ -198,7 +198,7 @@ def _refuses_an_older_checkpoint_without_the_states(tmp_path, kw):
             meta = {k: v for k, v in meta.items() if k not in ("round", "node", "tensors_sha256", "meta_sha256")}
             ckpt.save_node(root, 5, node, tensors, meta)
     cfg = _cfg(tmp_path / "old", fitset_cache=str(tmp_path / "old.jsonl"), resume="auto", **kw)
-    with pytest.raises(CheckpointError, match=r"lacks the states of collection 2 .*resume from round 4 by deleting"):
+    with pytest.raises(CheckpointError, match=r"lacks the states of collection 2: .*delete that round folder"):
         train_local(cfg)
     shutil.rmtree(five)
     assert train_local(cfg)["resumed"]["after_round"] == 4
