@@ -8,7 +8,9 @@ sampler. A round is the engine's: ``local_steps`` Adam steps on
 f_i + rho/2 ||x - (z_i - u_i)||^2 (the x-step, :meth:`Trainer.xstep`), then the z- and
 u-steps through the communicator.
 
-Wiring only: the data pipeline is :mod:`~admm_dist.training.pipeline`, the collections
+Wiring only: which communicator a launch gets (:func:`build_communicator`: a block of nodes per
+rank under torchrun, every node in one process without it; docs/design.md section 5), the data
+pipeline :mod:`~admm_dist.training.pipeline`, the collections and what the seats deploy for them
 :mod:`~admm_dist.training.collecting`, the outputs
 :mod:`~admm_dist.training.outputs`, checkpoints :mod:`~admm_dist.training.resume`, the
 report :mod:`~admm_dist.training.report`, the trackers :mod:`~admm_dist.training.tracking`
@@ -31,7 +33,7 @@ from admm_dist.core.errors import UserError
 from admm_dist.data import fitset as fs
 from admm_dist.data.sampler import RoleBalancedSampler
 from admm_dist.engine.admm import ADMMEngine, RoundRecord
-from admm_dist.engine.comm import TELEMETRY, Communicator
+from admm_dist.engine.comm import TELEMETRY, Communicator, make_communicator
 from admm_dist.engine.dist import DistContext
 from admm_dist.engine.preemption import Preempted, PreemptionFlag, agree
 from admm_dist.model import batches as bt
@@ -41,9 +43,9 @@ from admm_dist.model.loading import load_model
 from admm_dist.model.objectives import ObjectiveConfig
 from admm_dist.model.vectors import check_same_basis, hash_to_int64_row, int64_row_to_hash, load_vector
 from admm_dist.training import checkpoint as ckpt
-from admm_dist.training import deploy, pipeline, resume
-from admm_dist.training.collecting import CollectionRunner, record_collection
-from admm_dist.training.communicator import build_communicator
+from admm_dist.training import pipeline, resume
+from admm_dist.training.collecting import (CollectionRunner, kl_references, node_vectors, record_collection,
+                                           seat_states)
 from admm_dist.training.config import RESUMABLE, TrainConfig
 from admm_dist.training.outputs import RefusedError, RunOutputs, delta_w_rel, refusal
 from admm_dist.training.report import TrainReport
@@ -52,6 +54,29 @@ from admm_dist.training.tracking import Tracker, final_scalars, round_scalars
 
 if TYPE_CHECKING:
     from admm_dist.testing.faults import FaultPlan
+
+
+def build_communicator(cfg: TrainConfig, ctx: DistContext) -> Communicator:
+    """The communicator of this launch: a block of nodes per rank under torchrun (W <= N), all
+    nodes in one process otherwise; more ranks than nodes is refused."""
+    n = cfg.n_nodes()
+    if ctx.env.is_distributed:
+        if cfg.backend == "local":
+            raise UserError("--backend local runs every node in one process: launch it "
+                            "without torchrun (python -m admm_dist.train ...)")
+        if ctx.world_size > n:
+            raise UserError(f"world size {ctx.world_size} > number of nodes {n}: a node cannot be split over "
+                            f"ranks; launch at most {n} rank(s) in all (torchrun --nproc_per_node {n}, or "
+                            "fewer: several nodes then share a rank)")
+        backend = "process_group"
+    else:
+        if cfg.backend == "process_group":
+            raise UserError("--backend process_group needs torchrun: torchrun "
+                            f"--nproc_per_node {n} -m admm_dist.train ...")
+        backend = "local"
+    return make_communicator(cfg.consensus, n_nodes=n, topology=cfg.topology,
+                             gossip_steps=cfg.gossip_steps, timeout=ctx.timeout,
+                             backend=backend, compress=cfg.compress)
 
 
 class Trainer:
@@ -167,17 +192,17 @@ class Trainer:
         return f
 
     def recollect(self, collection: int, vectors: Optional[List[torch.Tensor]] = None) -> None:
-        """Fresh queries, each seat under the state it deploys (:mod:`deploy`): now, or as a
+        """Fresh queries, each seat under the state it deploys (:func:`node_vectors`): now, or as a
         resumed checkpoint kept it (``vectors``, one per local node); under ``kl_ref collect`` that
         state becomes its node's KL reference. The held-out set stays the first collection's:
         every example of this one is trained on."""
         if vectors is None:
-            vectors = deploy.node_vectors(self.cfg, self.engine, len(self.nodes))
+            vectors = node_vectors(self.cfg, self.engine, len(self.nodes))
         self.collected_under = vectors        # kept in every checkpoint until the next collection
-        states = deploy.seat_states(self.cfg, self.comm, vectors)
+        states = seat_states(self.cfg, self.comm, vectors)
         self.shards, _ = self.shard(self.collect(collection, states), hold_out=False)
         if self.cfg.kl_ref == "collect":
-            self.ref_vecs = deploy.kl_references(self.cfg, states, self.nodes)
+            self.ref_vecs = kl_references(self.cfg, states, self.nodes)
         self.encode_nodes()
 
     # ------------------------------------------------------------------ nodes
