@@ -157,7 +157,7 @@ def previous_of(root: str, k: int, node: int) -> int:
 
 # What a checkpoint must hold: tensor name -> dtype (None: any float), and JSON key -> type(s).
 TENSORS = {"x": None, "z": None, "u": None, "rng_cpu": torch.uint8}
-META = {"fingerprint": str, "adam_step": (int, float), "sampler": (dict, type(None)), "history": list,
+META = {"fingerprint": str, "adam": dict, "sampler": (dict, type(None)), "history": list,
         "dev_curve": list, "rho": (int, float), "best": (list, type(None)), "round": int, "node": int,
         "resumable": dict, "collections": list, "anchor_keys_all": list, "identity": dict, "previous": int}
 

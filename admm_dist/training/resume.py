@@ -10,7 +10,7 @@ continues bit for bit as if it had not stopped.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,6 +22,7 @@ from admm_dist.training.report import TrainReport
 from admm_dist.training.state import BestRound, NodeState
 
 COMM_STATE = "comm."   # tensor-name prefix of the communicator's per-node state
+ADAM = "adam."         # tensor-name prefix of the optimizer's per-parameter state
 COLLECTED_UNDER = "collected_under"   # the node's deployed state at the last re-collection
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 
 def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: Sequence[int],
-               state: Dict[int, NodeState], param: torch.Tensor, fingerprint: str, report: TrainReport,
+               state: Dict[int, NodeState], fingerprint: str, report: TrainReport,
                best: Optional[BestRound], keep: int, resumable: Dict[str, float], identity: Mapping[str, Any],
                collected_under: Optional[Sequence[torch.Tensor]] = None,
                faults: Optional["FaultPlan"] = None) -> None:
@@ -45,15 +46,13 @@ def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: 
     before = [r for r in ckpt.completed_rounds(root, nodes, fingerprint) if r < k]
     for j, node in enumerate(nodes):
         st = state[node]
-        opt_state = st.optimizer.state.get(param, {})
         tensors = {"x": engine.x[j], "z": engine.z[j], "u": engine.u[j], "rng_cpu": torch.get_rng_state()}
         # compressed consensus: the node's public copies (admm_dist/engine/comm/compressed.py)
         tensors.update({f"{COMM_STATE}{name}": t for name, t in comm.node_state(node).items()})
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in opt_state:
-                tensors[f"adam.{key}"] = opt_state[key]
+        adam_tensors, adam_scalars = optimizer_record(st.optimizer)
+        tensors.update(adam_tensors)
         meta = {"fingerprint": fingerprint,
-                "adam_step": float(opt_state["step"]) if "step" in opt_state else 0.0,
+                "adam": adam_scalars,
                 "sampler": st.sampler.state_dict() if st.sampler else None, "history": history,
                 "dev_curve": report.get("dev_curve", []),
                 # what the report says of the collections so far (a resume makes only the last again)
@@ -75,6 +74,32 @@ def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: 
     mine = ckpt.completed_rounds(root, nodes, fingerprint)
     table = comm.gather_rows(torch.tensor([[float(mine[-1] if mine else 0)]] * len(nodes), dtype=torch.float64))
     ckpt.prune(root, nodes, keep, fingerprint, upto=int(table[:, 0].min().item()))
+
+
+def optimizer_record(optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, torch.Tensor], Dict[str, float]]:
+    """The optimizer's ``state_dict()`` state of its one parameter (the flat B vector), split for a
+    checkpoint: its tensors, named ``adam.<key>``, and its scalars (Adam's step). The parameter
+    groups (the learning rate and the rest) are the run's settings, not state: not saved."""
+    state = optimizer.state_dict()["state"]
+    if len(state) > 1:
+        raise ValueError(f"the optimizer holds state for {len(state)} parameters; one (the flat B vector) expected")
+    own = next(iter(state.values()), {})
+    tensors = {ADAM + k: v for k, v in own.items() if torch.is_tensor(v) and v.dim() > 0}
+    scalars = {k: float(v) for k, v in own.items() if ADAM + k not in tensors}
+    return tensors, scalars
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor],
+                   scalars: Mapping[str, float], device) -> None:
+    """Put a checkpoint's :func:`optimizer_record` back through ``load_state_dict``, under the
+    optimizer's current parameter groups (``eta`` may change on resume); a node that never
+    stepped has no state to load."""
+    state = {k[len(ADAM):]: t.to(device, copy=True) for k, t in tensors.items() if k.startswith(ADAM)}
+    if not state:
+        return
+    state.update({k: torch.tensor(float(v)) for k, v in scalars.items()})
+    current = optimizer.state_dict()
+    optimizer.load_state_dict({"state": {0: state}, "param_groups": current["param_groups"]})
 
 
 def differences(then: Mapping[str, Any], now: Mapping[str, Any]) -> List[str]:
@@ -166,7 +191,7 @@ def restore_collections(report: TrainReport, meta: Dict, upto: Optional[int]) ->
 
 
 def restore_round(cfg: TrainConfig, agreed: int, *, engine: "ADMMEngine", nodes: Sequence[int],
-                  state: Dict[int, NodeState], param: torch.Tensor, fingerprint: str, device,
+                  state: Dict[int, NodeState], fingerprint: str, device,
                   report: TrainReport, recollect: Callable[..., None]) -> Optional[BestRound]:
     """Load round ``agreed`` into the engine, the optimisers and the samplers; the best round.
     With ``recollect_every``, the last re-collection before ``agreed`` is made again, under the
@@ -206,11 +231,7 @@ def restore_round(cfg: TrainConfig, agreed: int, *, engine: "ADMMEngine", nodes:
     for node, (tensors, meta) in loaded.items():
         st = state[node]
         try:
-            if "adam.exp_avg" in tensors:
-                st.optimizer.state[param] = {
-                    "step": torch.tensor(meta["adam_step"]),
-                    "exp_avg": tensors["adam.exp_avg"].to(device),
-                    "exp_avg_sq": tensors["adam.exp_avg_sq"].to(device)}
+            load_optimizer(st.optimizer, tensors, meta["adam"], device)
             if st.sampler is not None and meta["sampler"] is not None:
                 st.sampler.load_state_dict(meta["sampler"])
             torch.set_rng_state(tensors["rng_cpu"])

@@ -377,7 +377,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, root: str) -> None:
         resume.save_round(root, engine=self.engine, comm=self.comm, nodes=self.nodes, state=self.state,
-                          param=self.adapter.param, fingerprint=self.fingerprint, report=self.report,
+                          fingerprint=self.fingerprint, report=self.report,
                           best=self.best, collected_under=self.collected_under, keep=self.cfg.keep_checkpoints,
                           resumable={k: getattr(self.cfg, k) for k in RESUMABLE}, identity=self.identity,
                           faults=self.faults)
@@ -389,7 +389,7 @@ class Trainer:
             self.talk("resume auto: no complete checkpoint on every rank; starting from round 0")
             return
         best = resume.restore_round(self.cfg, agreed, engine=self.engine, nodes=self.nodes, state=self.state,
-                                    param=self.adapter.param, fingerprint=self.fingerprint,
+                                    fingerprint=self.fingerprint,
                                     device=self.ctx.device, report=self.report, recollect=self.recollect)
         if best is not None:
             self.best = best

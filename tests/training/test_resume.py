@@ -38,3 +38,39 @@ def test_an_empty_record_leaves_the_report_as_it_is():
     r = _attempt()
     restore_collections(r, {"collections": [], "anchor_keys_all": []}, 1)
     assert [c["collection"] for c in r.collections] == [0] and r.anchor_keys_all == ["q0", "q1"]
+
+
+def test_the_optimizer_goes_through_its_state_dict_and_keeps_the_current_learning_rate():
+    """Adam's state is saved and restored through ``state_dict()``: a restored optimizer steps
+    exactly as the saved one, under its own (possibly changed, ``eta``) learning rate."""
+    import torch
+
+    from admm_dist.training.resume import load_optimizer, optimizer_record
+
+    torch.manual_seed(0)
+    target = torch.randn(64)
+
+    def steps(p, opt, n):
+        for _ in range(n):
+            opt.zero_grad()
+            ((p - target) ** 2).sum().backward()
+            opt.step()
+
+    p = torch.nn.Parameter(torch.zeros(64))
+    opt = torch.optim.Adam([p], lr=1e-2)
+    steps(p, opt, 3)
+    tensors, scalars = optimizer_record(opt)
+    assert set(tensors) == {"adam.exp_avg", "adam.exp_avg_sq"} and scalars == {"step": 3.0}
+    q = torch.nn.Parameter(p.detach().clone())
+    again = torch.optim.Adam([q], lr=1e-2)
+    load_optimizer(again, tensors, scalars, "cpu")
+    steps(p, opt, 2)
+    steps(q, again, 2)
+    assert torch.equal(p, q)                                   # the same moments and step count
+    lowered = torch.optim.Adam([torch.nn.Parameter(q.detach().clone())], lr=1e-3)
+    load_optimizer(lowered, *optimizer_record(again), "cpu")
+    assert lowered.param_groups[0]["lr"] == 1e-3              # eta changed on resume: the new one holds
+    fresh = torch.optim.Adam([torch.nn.Parameter(torch.zeros(64))], lr=1e-2)
+    assert optimizer_record(fresh) == ({}, {})                 # a node that never stepped
+    load_optimizer(fresh, {}, {}, "cpu")
+    assert fresh.state_dict()["state"] == {}
