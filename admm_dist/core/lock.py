@@ -162,23 +162,23 @@ _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a folder", stat.S_IFSOCK: "a so
 def _open_lock(path: str, name: str, fix: str) -> int:
     """``path`` opened for the lock: created, or an existing plain file; never through a link."""
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = None
     try:
         fd = os.open(path, flags, 0o666 & ~current_umask())
-    except OSError:
+        kind = _KINDS.get(stat.S_IFMT(os.fstat(fd).st_mode))
+    except OSError:       # a link (ELOOP) or a folder (EISDIR) at the name: say which
         try:
             kind = _KINDS.get(stat.S_IFMT(os.lstat(path).st_mode))
         except OSError:
             kind = None
         if kind is None:
             raise
-        raise LockedError(f"{name}: its lock {path} is {kind}, not a lock file: nothing was written through "
-                          f"it; remove it if no run is using it, or choose {fix}") from None
-    kind = _KINDS.get(stat.S_IFMT(os.fstat(fd).st_mode))
-    if kind is not None:
+    if kind is None:
+        return fd
+    if fd is not None:
         os.close(fd)
-        raise LockedError(f"{name}: its lock {path} is {kind}, not a lock file: nothing was written through "
-                          f"it; remove it if no run is using it, or choose {fix}")
-    return fd
+    raise LockedError(f"{name}: its lock {path} is {kind}, not a lock file: nothing was written through "
+                      f"it; remove it if no run is using it, or choose {fix}")
 
 
 class OutputLock:
@@ -227,8 +227,8 @@ class OutputLock:
                 os.close(fd)
                 continue
             try:
-                self._judge(_read(fd), Holder.me(), path, name, fix)
                 me = Holder.me()
+                self._judge(_read(fd), me, path, name, fix)
                 os.ftruncate(fd, 0)
                 os.lseek(fd, 0, os.SEEK_SET)
                 os.write(fd, json.dumps(dataclasses.asdict(me)).encode())

@@ -104,8 +104,8 @@ def _fingerprint_of(path: str) -> Optional[str]:
 def marker_fits(meta: Mapping[str, object], k: int, node: int) -> bool:
     """Whether a marker names the round and node of the folder and file it sits in: a pair
     copied or moved from another round is intact, but it is not this round's."""
-    return meta.get("round") == k and meta.get("node") == node and not isinstance(meta.get("round"), bool) \
-        and not isinstance(meta.get("node"), bool)
+    return type(meta.get("round")) is int and type(meta.get("node")) is int \
+        and meta["round"] == k and meta["node"] == node
 
 
 def completed_rounds(root: str, nodes: Sequence[int], fingerprint: Optional[str] = None) -> List[int]:

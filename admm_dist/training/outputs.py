@@ -172,7 +172,7 @@ class RunOutputs:
             folders["tracking_dir"] = self.tracking_folder()
         for what, folder in folders.items():
             fix = f"{what}=" if what in ("report_dir", "tracking_dir") else "out="
-            if what in ("out", "the checkpoint folder") and os.path.islink(folder):
+            if what == "the checkpoint folder" and os.path.islink(folder):   # out itself is a real path
                 return (f"{what} {folder} is a symbolic link, where the trainer keeps its own folder: remove "
                         f"the link, or choose another {fix}")
             if os.path.exists(folder) and not os.path.isdir(folder):
