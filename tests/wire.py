@@ -1,5 +1,5 @@
 """Bytes one collective puts on the loopback wire, for the multi-process meter tests."""
-from admm_dist.engine.comm.wire import interface_tx_bytes
+from admm_dist.bench.comm_wire import interface_tx_bytes
 
 
 def wire_bytes(ctx, comm, vectors, brackets: int = 3) -> int:

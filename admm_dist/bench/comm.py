@@ -10,12 +10,12 @@ For every world size N (one launch of N gloo CPU ranks through
 loopback) and every fp32 vector of ``mib`` MiB (P = mib * 2^18 elements), the
 methods below run side by side in the same processes on the same vectors:
 
-- ``ring``: :class:`~admm_dist.engine.comm.RingCommunicator` ``consensus_`` (our
+- ``ring``: :class:`~admm_dist.engine.comm.ProcessGroupCommunicator` ``consensus_`` (our
   reduce-scatter + all-gather on ``isend``/``irecv``; the exact mean);
-- ``all_reduce``: :class:`~admm_dist.engine.comm.CoordinatorCommunicator`
+- ``all_reduce``: the same communicator in mode ``coordinator``,
   ``consensus_``: torch's built-in ``dist.all_reduce`` (SUM), then one
   in-place division by N (the same exact mean the ring returns);
-- ``gossip``: :class:`~admm_dist.engine.comm.GossipCommunicator` on the ``ring``
+- ``gossip``: the same communicator in mode ``gossip`` on the ``ring``
   graph with ``gossip_steps=1`` (each rank exchanges its whole vector with
   each neighbour once and mixes);
 - ``all_reduce_sum``: a reference, not a consensus: the same built-in
@@ -42,7 +42,7 @@ Bytes, from separate untimed operations after the timed ones, per rank:
   convention);
 - ``wire_bytes_per_rank``: bytes that crossed the loopback interface, from the
   kernel's machine-wide ``lo`` tx counter
-  (:func:`~admm_dist.engine.comm.wire.interface_tx_bytes`), read on rank 0 around one
+  (:func:`~admm_dist.bench.comm_wire.interface_tx_bytes`), read on rank 0 around one
   operation: barrier, read, barrier, operation, barrier, read (every read comes
   20 ms after its barrier so that trailing messages have landed; the second
   barrier keeps a fast rank from sending before the first read). The same
@@ -109,24 +109,26 @@ def numel_for(mib: float) -> int:
 
 
 def _make_comms(timeout: datetime.timedelta, methods: Sequence[str]):
-    from admm_dist.engine.comm import ByteMeter, CoordinatorCommunicator, GossipCommunicator, RingCommunicator
+    from admm_dist.engine.comm import ByteMeter, ProcessGroupCommunicator
 
-    class SumOnly(CoordinatorCommunicator):
+    n = dist.get_world_size()
+
+    class SumOnly(ProcessGroupCommunicator):
         """Reference only: gloo's all_reduce (SUM) without the division (not a consensus)."""
 
         def consensus_(self, vectors):
             (v,) = vectors
-            self.meter.add(self.rank, "all_reduce",
-                           **self.ring_convention(v.numel(), self.rank, v.element_size()))
-            self._wait([dist.all_reduce(v, op=dist.ReduceOp.SUM, group=self.group, async_op=True)],
-                       "all_reduce")
+            self.meter.add(self.rank, "all_reduce", **self.ring_convention(v.numel(), self.rank, v.element_size()))
+            self._sum_ranks(v)
+
+    def comm(cls=ProcessGroupCommunicator, **kw):
+        return cls(n_nodes=n, timeout=timeout, meter=ByteMeter(), **kw)
 
     make = {
-        "ring": lambda: RingCommunicator(timeout=timeout, meter=ByteMeter()),
-        "all_reduce": lambda: CoordinatorCommunicator(timeout=timeout, meter=ByteMeter()),
-        "gossip": lambda: GossipCommunicator(timeout=timeout, topology="ring", gossip_steps=1,
-                                             meter=ByteMeter()),
-        "all_reduce_sum": lambda: SumOnly(timeout=timeout, meter=ByteMeter()),
+        "ring": lambda: comm(mode="ring"),
+        "all_reduce": lambda: comm(mode="coordinator"),
+        "gossip": lambda: comm(mode="gossip", topology="ring", gossip_steps=1),
+        "all_reduce_sum": lambda: comm(SumOnly, mode="coordinator"),
     }
     return {m: make[m]() for m in methods}
 

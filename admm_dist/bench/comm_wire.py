@@ -1,6 +1,9 @@
 """The wire side of the communication benchmark (``python -m admm_dist.bench.comm``).
 
-It owns how bytes on the wire are counted: :func:`tcp_socket_bytes` (what this process's own
+It owns how bytes on the wire are counted: :func:`interface_tx_bytes` (an interface's
+transmitted-bytes counter from the kernel: on one host the ranks talk over loopback, and
+``/proc/net/dev`` counts every byte sent on ``lo`` once in ``tx``; the counter is machine-wide,
+so callers bracket the operation with barriers and read it on one rank), :func:`tcp_socket_bytes` (what this process's own
 TCP sockets sent and retransmitted, from ``getsockopt(TCP_INFO)``), :func:`wire_bracket` (the
 machine's loopback counter and those socket counters read around one operation, between
 barriers) and :func:`wire_fields` (the kept bracket of a (method, size) and the per-rank
@@ -18,6 +21,24 @@ from typing import Dict, Optional, Sequence, Tuple
 
 READ_SETTLE_S = 0.02
 IFACE = "lo"
+
+PROC_NET_DEV = "/proc/net/dev"
+
+
+def interface_tx_bytes(iface: str = "lo", path: str = PROC_NET_DEV) -> Optional[int]:
+    """Transmitted-bytes counter of ``iface``, or None where the kernel does not expose it."""
+    try:
+        with open(path) as fh:
+            lines = fh.read().splitlines()[2:]
+    except OSError:
+        return None
+    for line in lines:
+        name, _, rest = line.partition(":")
+        if name.strip() == iface:
+            fields = rest.split()
+            return int(fields[8])  # rx: bytes packets errs drop fifo frame compressed multicast; tx: bytes ...
+    return None
+
 
 _TCP_INFO_BYTES_SENT = 200  # struct tcp_info: __u64 tcpi_bytes_sent, then __u64 tcpi_bytes_retrans
 
@@ -66,7 +87,6 @@ def wire_bracket(comm, rank: int, op) -> Tuple[Optional[int], Optional[Tuple[int
     waits READ_SETTLE_S before each read so that trailing messages (barrier
     replies, late retransmissions) have landed.
     """
-    from admm_dist.engine.comm.wire import interface_tx_bytes
 
     comm.barrier()
     time.sleep(READ_SETTLE_S)

@@ -7,7 +7,7 @@ Run::
 
 What it measures: whether a run of 4 nodes under ``torchrun`` (CPU, gloo on loopback, one
 thread per rank; ``--nproc`` ranks, 4 by default: one node per rank, fewer: contiguous blocks
-of nodes per rank, :mod:`admm_dist.engine.comm.placement`) whose rank is SIGKILLed at an
+of nodes per rank, :mod:`admm_dist.engine.placement`) whose rank is SIGKILLed at an
 arbitrary moment of a checkpoint write, and which is then continued with ``resume=auto``,
 ends with exactly the results of a run that was never interrupted, and leaves nothing behind.
 
@@ -203,7 +203,7 @@ def resumed_after(log_path: str) -> Optional[int]:
 
 def killed_ranks(log_path: str) -> List[int]:
     """The local ranks torchrun reported ended by SIGKILL: the planned fault fired on the rank
-    holding the node (:func:`admm_dist.engine.comm.placement.owners`). torchrun names its first
+    holding the node (:func:`admm_dist.engine.placement.owners`). torchrun names its first
     observed failure in one line (``failed (exitcode: -9) local_rank: R``) and every failed rank
     in its summary (``local_rank: R)`` then ``exitcode  : -9``); the killed rank need not be the
     first observed, since its peers fail within milliseconds of it."""
@@ -234,7 +234,7 @@ def plan(runs: int, seed: int, k_outer: int) -> List[Dict[str, object]]:
 def run(out: str, runs: int, *, seed: int = 0, k_outer: int = DEFAULT_K_OUTER,
         timeout_s: float = DEFAULT_TIMEOUT_S, nproc: int = N_AGENTS, log=print) -> Dict[str, object]:
     """The whole benchmark; returns {"settings", "references", "trials", "summary"}."""
-    from admm_dist.engine.comm.placement import owners
+    from admm_dist.engine.placement import owners
 
     owner = owners(N_AGENTS, nproc)
     t_all = time.perf_counter()

@@ -19,7 +19,7 @@ exchange, fed x_i rather than x_i + u_i) and the scaled dual u_i = alpha_i / rho
 moves by exactly x_i - z_i. One exchange of x per round serves the next x-step's centre and the
 dual, and the fixed point is the exact consensus optimum on any connected graph (sum_i alpha_i
 stays 0). c = rho / (2 * mean degree): see
-:meth:`~admm_dist.engine.comm.base.Communicator.penalty_scale`.
+:meth:`~admm_dist.engine.comm.communicator.Communicator.penalty_scale`.
 
 Ablations: ``local_only`` (no coupling: rho = 0, no z/u exchange, z_i := x_i),
 ``no_dual`` (u_i stays 0). Pooled training is simply N = 1.
@@ -240,6 +240,11 @@ class ADMMEngine:
             if on_round is not None and rec is not None:
                 on_round(rec)
         return self.history
+
+    def every_node(self, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """[n_nodes, P]: one vector per local node (z_i, x_i) -> every node's, on every rank, in
+        node order (metered as telemetry): what inexact consensus leaves each seat to deploy."""
+        return self.comm.gather_rows(torch.stack([v.detach().reshape(-1) for v in vectors]))
 
     # -- state ------------------------------------------------------------------
     def state_dict(self) -> Dict[str, object]:

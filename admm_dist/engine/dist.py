@@ -10,9 +10,10 @@ environment itself.
 - :func:`backend_for` is the single place that maps a device to a backend
   (``cuda`` -> ``nccl``, ``cpu`` -> ``gloo``).
 - :func:`distributed` is a context manager that binds the device from
-  ``LOCAL_RANK``, creates the default process group with a collective timeout,
-  enters only once every rank holds the group, and always destroys it on the way
-  out, on success and on failure.
+  ``LOCAL_RANK``, creates the default process group with a collective timeout and
+  the gloo group of control agreement (:mod:`admm_dist.engine.control`), enters only
+  once every rank holds both, and always destroys them on the way out, on success
+  and on failure.
 """
 from __future__ import annotations
 
@@ -143,6 +144,8 @@ class DistContext:
     device: torch.device
     backend: Optional[str]
     timeout: datetime.timedelta
+    # the gloo group of control agreement (admm_dist.engine.control): CPU under any backend
+    control: Optional[dist.ProcessGroup] = None
 
     @property
     def rank(self) -> int:
@@ -279,6 +282,8 @@ def distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
         _init_group(env, backend, timeout, from_environ, kwargs)
         if backend == "gloo":
             _await_every_rank()
+        control = dist.new_group(backend="gloo", timeout=timeout)
+        dist.barrier(group=control)   # every rank holds it before any leaves (as _await_every_rank)
     except (RuntimeError, dist.DistError) as e:   # a peer stopped, died or is unreachable
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
@@ -293,7 +298,7 @@ def distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
             dist.destroy_process_group()
         raise
     try:
-        yield DistContext(env=env, device=dev, backend=backend, timeout=timeout)
+        yield DistContext(env=env, device=dev, backend=backend, timeout=timeout, control=control)
     finally:
         # Destroy on success and on failure; a failing peer must not keep us alive.
         with contextlib.suppress(Exception):

@@ -36,7 +36,7 @@ from admm_dist.core.errors import AdmmDistError
 from admm_dist.core.io import atomic_write_json
 
 if TYPE_CHECKING:
-    from admm_dist.engine.comm import Communicator
+    from admm_dist.engine.control import Control
 
 JOB_DIR_ENV = "ADMM_JOB_DIR"
 STATES = ("finished", "preempted", "failed", "interrupted")
@@ -216,9 +216,6 @@ class Preempted(AdmmDistError):
         self.round = round_
 
 
-def agree(flag: "PreemptionFlag", comm: "Communicator", n_local: int) -> bool:
-    """True on every rank if the signal reached any rank (one tiny gather of a flag per node)."""
-    import torch
-
-    noted = torch.tensor([[float(flag.noted)]] * n_local, dtype=torch.float64)
-    return bool(comm.gather_rows(noted).max().item() > 0)
+def agree(flag: "PreemptionFlag", control: "Control") -> bool:
+    """True on every rank if the signal reached any rank."""
+    return control.any(flag.noted)

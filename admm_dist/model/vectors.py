@@ -10,8 +10,8 @@ fields), so loading a vector into a differently-built adapter is one clear :clas
 Every rank draws the same frozen A basis from ``lora_basis_seed``
 (:class:`~admm_dist.model.adapter.BOnlyLoRA`); :func:`check_same_basis` checks that the ranks'
 :meth:`~admm_dist.model.adapter.BOnlyLoRA.basis_hash` values agree, and
-:func:`hash_to_int64_row` packs a hash into a ``[1, 4]`` int64 row that a communicator's
-``gather_rows`` can carry (:func:`int64_row_to_hash` unpacks it).
+:func:`hash_to_int64_row` packs a hash into a ``[1, 4]`` int64 row that a control table
+(:meth:`admm_dist.engine.control.Control.table`) can carry (:func:`int64_row_to_hash` unpacks it).
 
 :class:`AdapterError` (a :class:`~admm_dist.core.errors.UserError`) is defined here, below
 :mod:`admm_dist.model.adapter`, which imports this module and re-exports it. This module
@@ -229,7 +229,7 @@ def check_same_basis(hashes: Sequence[str]) -> None:
 
 
 def hash_to_int64_row(hex_hash: str) -> torch.Tensor:
-    """A sha256 hex digest as a [1, 4] int64 tensor (for a communicator's gather_rows)."""
+    """A sha256 hex digest as a [1, 4] int64 tensor (a row of a control table)."""
     if not isinstance(hex_hash, str) or len(hex_hash) != 64:
         raise AdapterError(f"expected a 64-character sha256 hex digest, got {hex_hash!r}")
     try:

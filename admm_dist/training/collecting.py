@@ -114,15 +114,15 @@ def node_vectors(cfg: TrainConfig, engine, n_local: int) -> List[torch.Tensor]:
             for j in range(n_local)]
 
 
-def seat_states(cfg: TrainConfig, comm, vectors: Sequence[torch.Tensor]) -> Dict[int, torch.Tensor]:
+def seat_states(cfg: TrainConfig, engine, vectors: Sequence[torch.Tensor]) -> Dict[int, torch.Tensor]:
     """{seat: the vector that seat deploys}, the same on every rank, from each local node's
     vector (:func:`node_vectors`, now or as a checkpoint kept it): the one consensus z where
-    consensus is exact, else each seat its own node's, all-gathered."""
+    consensus is exact, else each seat its own node's, from every rank."""
     seats = cfg.adapted_seats()
-    if comm.exact and not cfg.local_only:
+    if engine.comm.exact and not cfg.local_only:
         z = vectors[0]
         return {s: z for s in seats}
-    every = comm.gather_rows(torch.stack(list(vectors)))
+    every = engine.every_node(vectors)
     return {s: every[0 if cfg.pooled else i].clone() for i, s in enumerate(seats)}
 
 

@@ -41,7 +41,7 @@ from admm_dist.training.tracking import Tracker, TrackingConfig, collection_scal
 
 if TYPE_CHECKING:
     from admm_dist.engine.admm import ADMMEngine
-    from admm_dist.engine.comm import Communicator
+    from admm_dist.engine.control import Control
     from admm_dist.model.adapter import BOnlyLoRA
     from admm_dist.training.state import BestRound
 
@@ -84,7 +84,7 @@ class RunOutputs:
         self.lock: Optional[OutputLock] = None   # rank 0's, from check() to release()
 
     # ------------------------------------------------------------------ before any work
-    def check(self, comm: "Communicator", n_local: int) -> None:
+    def check(self, control: "Control") -> None:
         """Lock the run's paths, then check that every output path is writable and that a fresh
         run does not mix with another run's files (every rank checks; every rank stops on any
         problem; nothing is removed here: see :meth:`clear_old_run`).
@@ -103,10 +103,10 @@ class RunOutputs:
                 problem = str(e)
             else:
                 problem = self.problem()   # again, under the lock: a run that just finished counts
-        table = comm.gather_rows(torch.tensor([[float(problem is not None)]] * n_local, dtype=torch.float64))
+        anyone = control.any(problem is not None)
         if problem is not None:
             raise UserError(problem)
-        if table.max().item() > 0:
+        if anyone:
             raise UserError("another rank found a problem with the output paths (see its message)")
         for note in self.lock.notes if self.lock else []:
             self.talk(note)
@@ -123,7 +123,7 @@ class RunOutputs:
             self.lock.release()
             self.lock = None
 
-    def clear_old_run(self, comm: "Communicator", n_local: int) -> None:
+    def clear_old_run(self, control: "Control") -> None:
         """With ``overwrite=true``, once every check has passed and everything has loaded:
         remove the old run's checkpoints, TensorBoard events and refused/preempted/dry-run
         reports. Its results stay until this run's replace them (:meth:`write_results`), so a
@@ -144,7 +144,7 @@ class RunOutputs:
             for kind in ("refused", "preempted", "dryrun"):
                 if os.path.isfile(self.report_path(kind)):
                     os.unlink(self.report_path(kind))
-        comm.gather_rows(torch.zeros(n_local, 1, dtype=torch.float64))  # removal seen by all
+        control.barrier()  # removal seen by all
 
     def report_owner(self) -> Optional[str]:
         """The report of another run under this run's report name (its path and out), or None."""
@@ -218,7 +218,7 @@ class RunOutputs:
     def tracking_folder(self) -> str:
         return self.tracking.folder(self.cfg.report_dir, os.path.basename(self.cfg.out))
 
-    def open_tracker(self, comm: "Communicator", n_local: int, fingerprint: str, resumed_after: int,
+    def open_tracker(self, control: "Control", fingerprint: str, resumed_after: int,
                      report: TrainReport) -> Tracker:
         """This rank's trackers (rank 0 writes); a fresh run logs the collections made so far.
         Every rank stops if rank 0 could not open them (no rank is left waiting in a round)."""
@@ -232,10 +232,10 @@ class RunOutputs:
                                    resumed_after=resumed_after)
         except Exception as exc:    # a library's own error included: the other ranks must hear of it
             failed, tracker = exc, Tracker()
-        table = comm.gather_rows(torch.tensor([[float(failed is not None)]] * n_local, dtype=torch.float64))
+        anyone = control.any(failed is not None)
         if failed is not None:
             raise failed
-        if table.max().item() > 0:
+        if anyone:
             raise UserError("rank 0 could not open the trackers of report_to (see its message)")
         if tracker.active:
             self.talk(f"tracking ({', '.join(self.tracking.active)}) in {self.tracking_folder()}")
@@ -244,7 +244,7 @@ class RunOutputs:
         return tracker
 
     # ------------------------------------------------------------------ at the end
-    def write_results(self, *, engine: "ADMMEngine", comm: "Communicator", nodes: Sequence[int],
+    def write_results(self, *, engine: "ADMMEngine", control: "Control", nodes: Sequence[int],
                       adapter: "BOnlyLoRA", report: TrainReport, best: Optional["BestRound"],
                       deploy_local: bool, fingerprint: str) -> None:
         """Write the results and the report, agreed by every rank: all of them, or none.
@@ -272,36 +272,36 @@ class RunOutputs:
                                                   "node": str(node)})
                 atomic_write_bytes(staged.file(os.path.join(cfg.out, f"node-{node}.safetensors")), blob)
             if self.rank == 0:
-                written = self._stage_rank0(staged, engine=engine, comm=comm, adapter=adapter, report=report,
+                written = self._stage_rank0(staged, engine=engine, adapter=adapter, report=report,
                                             best=best, deploy_local=deploy_local, fingerprint=fingerprint)
         except Exception as exc:   # every rank must hear of it before anything is replaced
             failed = exc
-        self._agree(comm, len(nodes), failed, staged,
+        self._agree(control, failed, staged,
                     "a peer rank could not write its results (see its message): nothing in out= was replaced "
                     "and the last checkpoint is kept; fix that and rerun with resume=auto")
         try:
             staged.commit()
             if self.rank == 0:
-                self._remove_stale(comm.n_nodes, written)
+                self._remove_stale(engine.comm.n_nodes, written)
         except OSError as exc:
             failed = exc
-        self._agree(comm, len(nodes), failed, staged,
+        self._agree(control, failed, staged,
                     "a peer rank could not move its results into place (see its message): the results in "
                     "out= are incomplete; fix that and rerun with resume=auto (the last checkpoint is kept)")
         for path in written:
             self.talk(f"wrote {path}")
 
-    def _agree(self, comm: "Communicator", n_local: int, failed: Optional[BaseException], staged: Staged,
+    def _agree(self, control: "Control", failed: Optional[BaseException], staged: Staged,
                peer_message: str) -> None:
-        table = comm.gather_rows(torch.tensor([[float(failed is not None)]] * n_local, dtype=torch.float64))
-        if failed is not None or table.max().item() > 0:
+        anyone = control.any(failed is not None)
+        if anyone:
             staged.discard()
         if failed is not None:
             raise failed
-        if table.max().item() > 0:
+        if anyone:
             raise RunError(peer_message)
 
-    def _stage_rank0(self, staged: Staged, *, engine: "ADMMEngine", comm: "Communicator", adapter: "BOnlyLoRA",
+    def _stage_rank0(self, staged: Staged, *, engine: "ADMMEngine", adapter: "BOnlyLoRA",
                      report: TrainReport, best: Optional["BestRound"], deploy_local: bool,
                      fingerprint: str) -> List[str]:
         """Rank 0's result files, staged; the final paths, in the order they will be renamed."""
@@ -312,7 +312,7 @@ class RunOutputs:
                              [os.path.basename(out) + s for s in ("-last.safetensors", "-best.safetensors")])
         meta = {"config": cfg.as_dict(), "seats": cfg.adapted_seats(),
                 "roles": [cfg.role(s) for s in cfg.adapted_seats()],
-                "n_nodes": comm.n_nodes, "round": engine.round, "fingerprint": fingerprint}
+                "n_nodes": engine.comm.n_nodes, "round": engine.round, "fingerprint": fingerprint}
         anchor_keys = list(report.get("anchor_keys") or [])
         atomic_write_json(staged.file(os.path.join(out, "seat_map.json")),
                           dict(meta, deploy_required="local" if deploy_local else None,

@@ -27,11 +27,11 @@ COLLECTED_UNDER = "collected_under"   # the node's deployed state at the last re
 
 if TYPE_CHECKING:
     from admm_dist.engine.admm import ADMMEngine
-    from admm_dist.engine.comm import Communicator
+    from admm_dist.engine.control import Control
     from admm_dist.testing.faults import FaultPlan
 
 
-def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: Sequence[int],
+def save_round(root: str, *, engine: "ADMMEngine", control: "Control", nodes: Sequence[int],
                state: Dict[int, NodeState], fingerprint: str, report: TrainReport,
                best: Optional[BestRound], keep: int, resumable: Dict[str, float], identity: Mapping[str, Any],
                collected_under: Optional[Sequence[torch.Tensor]] = None,
@@ -48,7 +48,7 @@ def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: 
         st = state[node]
         tensors = {"x": engine.x[j], "z": engine.z[j], "u": engine.u[j], "rng_cpu": torch.get_rng_state()}
         # compressed consensus: the node's public copies (admm_dist/engine/comm/compressed.py)
-        tensors.update({f"{COMM_STATE}{name}": t for name, t in comm.node_state(node).items()})
+        tensors.update({f"{COMM_STATE}{name}": t for name, t in engine.comm.node_state(node).items()})
         adam_tensors, adam_scalars = optimizer_record(st.optimizer)
         tensors.update(adam_tensors)
         meta = {"fingerprint": fingerprint,
@@ -72,8 +72,7 @@ def save_round(root: str, *, engine: "ADMMEngine", comm: "Communicator", nodes: 
         ckpt.save_node(root, k, node, tensors, meta,   # faults: tests only, a kill inside this write
                        hook=None if faults is None else (lambda point, n=node: faults.in_checkpoint(k, n, point)))
     mine = ckpt.completed_rounds(root, nodes, fingerprint)
-    table = comm.gather_rows(torch.tensor([[float(mine[-1] if mine else 0)]] * len(nodes), dtype=torch.float64))
-    ckpt.prune(root, nodes, keep, fingerprint, upto=int(table[:, 0].min().item()))
+    ckpt.prune(root, nodes, keep, fingerprint, upto=control.min(mine[-1] if mine else 0))
 
 
 def optimizer_record(optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, torch.Tensor], Dict[str, float]]:
@@ -136,7 +135,7 @@ def _foreign_differences(root: str, fingerprint: str, identity: Mapping[str, Any
     return ""
 
 
-def agreed_round(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int], rank: int,
+def agreed_round(cfg: TrainConfig, control: "Control", nodes: Sequence[int], rank: int,
                  fingerprint: str, identity: Mapping[str, Any],
                  talk: Callable[[str], None] = lambda m: None) -> int:
     """The last round every rank completed under this run's fingerprint (0: none)."""
@@ -147,22 +146,21 @@ def agreed_round(cfg: TrainConfig, comm: "Communicator", nodes: Sequence[int], r
         talk(f"resume auto: {path} names another round or node than its place (copied from elsewhere): "
              "not used; its round counts as incomplete")
     mine = ckpt.completed_rounds(root, nodes, fingerprint)
-    foreign = float(bool(ckpt.foreign_rounds(root, fingerprint)))
-    rows = []
-    for node in nodes:   # per node: its newest round, and the checkpoint that round followed
+    newest_of, previous = {}, 0   # per node: its newest round; the checkpoint such a round followed
+    for node in nodes:
         own = ckpt.completed_rounds(root, [node], fingerprint)
-        rows.append([float(own[-1] if own else 0), foreign,
-                     float(ckpt.previous_of(root, own[-1], node) if own else 0)])
-    table = comm.gather_rows(torch.tensor(rows, dtype=torch.float64))
-    agreed, newest = int(table[:, 0].min().item()), int(table[:, 0].max().item())
-    required = int(table[:, 2].max().item())
-    missing = [i for i in range(table.shape[0]) if table[i, 0].item() < required]
+        newest_of[node] = own[-1] if own else 0
+        previous = max(previous, ckpt.previous_of(root, own[-1], node) if own else 0)
+    agreed, newest = control.min(min(newest_of.values())), control.max(max(newest_of.values()))
+    required = control.max(previous)
+    foreign = control.any(bool(ckpt.foreign_rounds(root, fingerprint)))
+    missing = control.nodes_where({node: r < required for node, r in newest_of.items()})
     if missing:
         raise CheckpointError(
             f"resume auto: the checkpoints in {root} lack node(s) {missing}: the other nodes hold round "
             f"{newest}, written after round {required}, which every node must hold; restore the missing "
             "node files (node-<i>.json and .safetensors), or start again with overwrite=true")
-    if table[:, 1].max().item() > 0 and agreed == 0:
+    if foreign and agreed == 0:
         raise CheckpointError(
             f"resume auto: the checkpoints in {root} were written by another run (other settings, fit set "
             f"or initial state){_foreign_differences(root, fingerprint, identity)}: resume with that run's "

@@ -34,6 +34,7 @@ from admm_dist.data import fitset as fs
 from admm_dist.data.sampler import RoleBalancedSampler
 from admm_dist.engine.admm import ADMMEngine, RoundRecord
 from admm_dist.engine.comm import TELEMETRY, Communicator, make_communicator
+from admm_dist.engine.control import Control, control_for
 from admm_dist.engine.dist import DistContext
 from admm_dist.engine.preemption import Preempted, PreemptionFlag, agree
 from admm_dist.model import batches as bt
@@ -84,6 +85,7 @@ class Trainer:
 
     # made by setup() (the communicator decides this rank's nodes before anything loads)
     comm: Communicator
+    control: Control                        # agreement between ranks, off the consensus path
     nodes: List[int]
     shards: Dict[int, List[fs.Example]]     # this rank's nodes' training examples
     dev_set: List[fs.Example]               # the held-out examples (every node's share)
@@ -124,6 +126,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.comm = build_communicator(self.cfg, self.ctx)
+        self.control = control_for(self.ctx, self.comm.rank_blocks())
         self.nodes = list(self.comm.nodes)
         self.collections = CollectionRunner(cfg, self.ctx, self.comm, self.talk)
         self.check_outputs()
@@ -155,7 +158,7 @@ class Trainer:
         self.fingerprint = fs.settings_key({"settings": cfg.fingerprint(), **content})[:16]
 
     def check_outputs(self) -> None:
-        self.outputs.check(self.comm, len(self.nodes))
+        self.outputs.check(self.control)
 
     def load_backbone(self):
         """The backbone and tokenizer (bf16 on GPU, fp32 on CPU), through the one loader."""
@@ -166,7 +169,7 @@ class Trainer:
     def check_basis(self) -> None:
         """Every rank built the same LoRA A basis (one hash row per node, compared)."""
         rows = torch.cat([hash_to_int64_row(self.adapter.basis_hash())] * len(self.nodes))
-        table = self.comm.gather_rows(rows)
+        table = self.control.table(rows)
         check_same_basis([int64_row_to_hash(table[i:i + 1]) for i in range(table.shape[0])])
 
     # ------------------------------------------------------------------ data
@@ -199,7 +202,7 @@ class Trainer:
         if vectors is None:
             vectors = node_vectors(self.cfg, self.engine, len(self.nodes))
         self.collected_under = vectors        # kept in every checkpoint until the next collection
-        states = seat_states(self.cfg, self.comm, vectors)
+        states = seat_states(self.cfg, self.engine, vectors)
         self.shards, _ = self.shard(self.collect(collection, states), hold_out=False)
         if self.cfg.kl_ref == "collect":
             self.ref_vecs = kl_references(self.cfg, states, self.nodes)
@@ -303,14 +306,13 @@ class Trainer:
             self.outputs.write_report(self.report, "dryrun")
             return self.report.as_dict()
         # Everything is checked and loaded: only now may overwrite remove the old run's files.
-        self.outputs.clear_old_run(self.comm, len(self.nodes))
+        self.outputs.clear_old_run(self.control)
         if cfg.resume == "auto":
             self.try_resume()
         root = ckpt.ckpt_root(cfg.out)
         if self.agree_preempt():   # the warning came while loading, collecting or resuming
             raise Preempted(self.engine.round, in_setup=True)
-        self.tracker = self.outputs.open_tracker(self.comm, len(self.nodes), self.fingerprint, self.engine.round,
-                                                 self.report)
+        self.tracker = self.outputs.open_tracker(self.control, self.fingerprint, self.engine.round, self.report)
         with progress.bar(total=cfg.k_outer, initial=self.engine.round, desc="rounds", unit="round",
                           show=self.show) as bar:
             while self.engine.round < cfg.k_outer:
@@ -334,7 +336,7 @@ class Trainer:
         return self.finish()   # a warning from here on is ignored: the run is finishing
 
     def agree_preempt(self) -> bool:
-        return agree(self.preempt, self.comm, len(self.nodes))
+        return agree(self.preempt, self.control)
 
     def on_round(self, rec: RoundRecord) -> None:
         cfg = self.cfg
@@ -371,19 +373,19 @@ class Trainer:
                 self.dev_encoded[node] = bt.encode(self.tokenizer, share, self.ocfg)
             rows.append(list(obj.nll_sum(self.model, self.dev_encoded.get(node, []), self.cfg.batch_size,
                                          self.tokenizer.pad_token_id)))
-        table = self.comm.gather_rows(torch.tensor(rows, dtype=torch.float64))
+        table = self.control.table(torch.tensor(rows, dtype=torch.float64))
         return float(table[:, 0].sum() / table[:, 1].sum().clamp_min(1))
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, root: str) -> None:
-        resume.save_round(root, engine=self.engine, comm=self.comm, nodes=self.nodes, state=self.state,
+        resume.save_round(root, engine=self.engine, control=self.control, nodes=self.nodes, state=self.state,
                           fingerprint=self.fingerprint, report=self.report,
                           best=self.best, collected_under=self.collected_under, keep=self.cfg.keep_checkpoints,
                           resumable={k: getattr(self.cfg, k) for k in RESUMABLE}, identity=self.identity,
                           faults=self.faults)
 
     def try_resume(self) -> None:
-        agreed = resume.agreed_round(self.cfg, self.comm, self.nodes, self.rank, self.fingerprint, self.identity,
+        agreed = resume.agreed_round(self.cfg, self.control, self.nodes, self.rank, self.fingerprint, self.identity,
                                      talk=self.talk)
         if agreed == 0:
             self.talk("resume auto: no complete checkpoint on every rank; starting from round 0")
@@ -416,7 +418,7 @@ class Trainer:
                  and self.tracked_dw[0] == self.engine.round else None)
         dw = [known if j == 0 and known is not None else delta_w_rel(self.adapter, v, cfg.lora_alpha, cfg.lora_rank)
               for j, v in enumerate(result)]
-        dws = self.comm.gather_rows(torch.tensor([[d] for d in dw], dtype=torch.float64))
+        dws = self.control.table(torch.tensor([[d] for d in dw], dtype=torch.float64))
         dw_all = [float(v) for v in dws[:, 0]]
         report.delta_w_rel = dw_all if deploy_local else dw_all[0]
         self.tracker.log(self.engine.round, final_scalars(dw_all, deploy_local))
@@ -425,7 +427,7 @@ class Trainer:
         if why is not None:
             self.outputs.write_report(report, "refused")
             raise RefusedError(why)
-        self.outputs.write_results(engine=self.engine, comm=self.comm, nodes=self.nodes, adapter=self.adapter,
+        self.outputs.write_results(engine=self.engine, control=self.control, nodes=self.nodes, adapter=self.adapter,
                                    report=report, best=self.best, deploy_local=deploy_local,
                                    fingerprint=self.fingerprint)
         return report.as_dict()

@@ -27,7 +27,7 @@ def _check_common(r):
     assert len(r["ours_step_times_s"]) == sz["steps"]
     assert all(t > 0 for t in r["ours_step_times_s"])
     assert r["overhead_share"] < 1 and r["overhead_share_step_wall"] < 1
-    assert r["overhead_nprocs"] == 3 and r["overhead_comm"] == "RingCommunicator"
+    assert r["overhead_nprocs"] == 3 and r["overhead_comm"] == "ProcessGroupCommunicator"
     assert len(r["overhead_rounds"]) == sz["rounds"]
     for rd in r["overhead_rounds"]:
         assert len(rd["sec_x"]) == 3 and rd["x_s"] > 0 and rd["wall_s"] >= rd["x_s"]

@@ -90,7 +90,7 @@ def test_one_and_two_ranks_give_the_same_result(tiny_assets, tmp_path, capsys):
     # a ring of 4: at W = 1 (plain python) the single-process communicator meters what each node
     # would send; at W = 2 the hops 1->2 and 3->0 cross ranks, 0->1 and 2->3 stay in memory
     assert (w1["backend"], w1["wire_simulated"], w1["in_process_bytes_total"]) == ("LocalCommunicator", True, 0)
-    assert (w2["backend"], w2["wire_simulated"]) == ("BlockCommunicator", False)
+    assert (w2["backend"], w2["wire_simulated"]) == ("ProcessGroupCommunicator", False)
     assert w2["wire_bytes_total"] == w2["in_process_bytes_total"] == w2["wire_bytes_recv_total"] > 0
     assert w1["wire_bytes_total"] == w2["wire_bytes_total"] + w2["in_process_bytes_total"]
     rows = [line.split() for line in out.splitlines() if line.split()[:2] in (["1", "python"], ["2", "torchrun"])]

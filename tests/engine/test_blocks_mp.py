@@ -6,9 +6,9 @@ import torch
 
 from admm_dist.core.errors import UserError
 from admm_dist.engine.comm import TOPOLOGIES, LocalCommunicator
-from admm_dist.engine.comm.blocks import IN_PROCESS, BlockCommunicator
+from admm_dist.engine.comm import IN_PROCESS, ProcessGroupCommunicator
 from admm_dist.engine.comm.meter import CONSENSUS
-from admm_dist.engine.comm.placement import blocks, owners
+from admm_dist.engine.placement import blocks, owners
 from admm_dist.engine.launcher import launch_cpu
 
 N, P = 4, 1001          # P divisible by none of 2, 3, 4
@@ -23,7 +23,7 @@ def _vec(node):
 def _run(ctx, n=N):
     out = {}
     for mode, topo, tau in SPECS:
-        comm = BlockCommunicator(mode=mode, n_nodes=n, topology=topo, gossip_steps=tau, timeout=ctx.timeout)
+        comm = ProcessGroupCommunicator(mode=mode, n_nodes=n, topology=topo, gossip_steps=tau, timeout=ctx.timeout)
         vs = [_vec(node) for node in comm.nodes]
         comm.consensus_(vs)
         meter = {node: (comm.meter.total(node=node, phase=CONSENSUS).sent,

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from admm_dist.engine.comm import TOPOLOGIES, CommError, LocalCommunicator, make_communicator, ring_bytes_per_rank
-from admm_dist.engine.comm.wire import interface_tx_bytes
+from admm_dist.bench.comm_wire import interface_tx_bytes
 from admm_dist.engine.launcher import launch_cpu
 
 from wire import wire_bytes
@@ -160,10 +160,9 @@ def _placements(ctx):
 
 
 def _segmented_ring(ctx, p, seg):
-    from admm_dist.engine.comm import process_group
+    from admm_dist.engine.comm import ProcessGroupCommunicator
 
-    process_group.RingCommunicator.segment_numel = seg  # force several segments per chunk
-    process_group.RingCommunicator.segment_above = seg
+    ProcessGroupCommunicator.segment_bytes = 4 * seg  # force several pieces per chunk
     comm = make_communicator("ring", n_nodes=ctx.world_size, timeout=ctx.timeout)
     v = _vec(ctx.rank, p)
     comm.consensus_([v])

@@ -6,8 +6,8 @@ import torch
 
 from admm_dist.engine.admm import ADMMConfig, ADMMEngine
 from admm_dist.engine.comm import LocalCommunicator, make_communicator
-from admm_dist.engine.comm.blocks import BlockCommunicator
-from admm_dist.engine.comm.wire import interface_tx_bytes
+from admm_dist.engine.comm import ProcessGroupCommunicator
+from admm_dist.bench.comm_wire import interface_tx_bytes
 from admm_dist.engine.launcher import launch_cpu
 from admm_dist.engine.lsq import LeastSquares
 
@@ -25,7 +25,7 @@ def _vec(node, call):
 def _blocks_run(ctx):
     out = {}
     for mode, topo, tau, compress in SPECS:
-        comm = BlockCommunicator(mode=mode, n_nodes=N, topology=topo, gossip_steps=tau, timeout=ctx.timeout,
+        comm = ProcessGroupCommunicator(mode=mode, n_nodes=N, topology=topo, gossip_steps=tau, timeout=ctx.timeout,
                                  compress=compress)
         for call in range(CALLS):   # the public copies carry over from call to call
             vs = [_vec(node, call) for node in comm.nodes]

@@ -1,8 +1,26 @@
 import pytest
 import torch
 
-from admm_dist.engine.comm import TOPOLOGIES, mixing_matrix, neighbours
-from admm_dist.engine.comm.topology import is_connected
+from admm_dist.engine.comm import TOPOLOGIES, metropolis_weights, neighbours
+
+
+def mixing_matrix(topology, n):
+    """The dense n x n mixing matrix (float64) of the communicators' weights."""
+    W = torch.zeros(n, n, dtype=torch.float64)
+    for i, row in enumerate(metropolis_weights(neighbours(topology, n))):
+        for j, w in row.items():
+            W[i, j] = w
+    return W
+
+
+def is_connected(nbrs):
+    seen, todo = {0}, [0]
+    while todo:
+        for j in nbrs[todo.pop()]:
+            if j not in seen:
+                seen.add(j)
+                todo.append(j)
+    return len(seen) == len(nbrs)
 
 
 # every graph at every size it exists for (a prime count > 3 has no grid: test_graph_shapes)

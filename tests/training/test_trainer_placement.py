@@ -44,7 +44,7 @@ def test_fewer_ranks_than_nodes_train_the_oracles_nodes(consensus, assets, tmp_p
                 assert torch.equal(a[key], b[key]), (consensus, i, key)
     rep = json.loads((tmp_path / "dist" / "reports" / "run-train.json").read_text())
     assert rep["n_nodes"] == N and len(rep["rounds"][-1]["f"]) == N
-    assert rep["placement"] == [[0, 1], [2]] and rep["backend"] == "BlockCommunicator"
+    assert rep["placement"] == [[0, 1], [2]] and rep["backend"] == "ProcessGroupCommunicator"
     last = rep["rounds"][-1]
     if consensus != "coordinator":   # node 0 hands node 1 its part in memory; node 1 sends to node 2
         assert last["bytes_in_process"][0] > 0 and last["bytes_sent"][1] > 0

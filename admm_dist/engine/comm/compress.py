@@ -10,9 +10,8 @@ what lets every holder of a public copy keep it bit-identical to the sender's.
 
 The compressor is deterministic and contractive (||v - Q(v)|| <= delta ||v||, delta < 1), the
 class CHOCO-Gossip (Koloskova, Stich, Jaggi 2019) converges with. Compressing a vector itself
-stalls at the quantization error; the communicators therefore compress a node's *change*
-against a public copy (h <- h + Q(v - h)), whose error vanishes as the iterates settle
-(:mod:`admm_dist.engine.comm.base`).
+stalls at the quantization error; :mod:`~admm_dist.engine.comm.compressed` therefore sends a
+node's *change* against a public copy (h <- h + Q(v - h)), whose error vanishes as it settles.
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@ public copy that sender and receivers keep bit-identical, so the error of the co
 (:mod:`~admm_dist.engine.comm.compress`) vanishes as the iterates settle and ADMM reaches the
 optimum itself, not a neighbourhood of it.
 
-Written once against :meth:`Communicator.deliver` (messages between nodes: in memory, or on
-the wire between ranks), so the single-process oracle and the process group run the same
-arithmetic in the same order and agree bit for bit.
+Written once as schedules of node-to-node messages over :meth:`Communicator.exchange` (in
+memory between nodes of one process, on the wire between ranks), so the single-process oracle
+and every placement run the same arithmetic in the same order and agree bit for bit.
 
 - **Mixing modes** (``gossip``, ``decentralized``): CHOCO-Gossip's public copies (Koloskova,
   Stich, Jaggi 2019). Node i keeps its public copy h_i and a copy of each neighbour's h_j.
@@ -34,10 +34,10 @@ import torch
 
 from admm_dist.engine.comm.compress import decode_, encode, payload_bytes
 from admm_dist.engine.comm.meter import chunk_bounds
-from admm_dist.engine.comm.modes import MIXING
+from admm_dist.engine.comm.topology import MIXING
 
 if TYPE_CHECKING:
-    from admm_dist.engine.comm.base import Communicator
+    from admm_dist.engine.comm.communicator import Communicator
 
 
 def _slot(comm: "Communicator", node: int, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -71,20 +71,15 @@ def bytes_sent(comm: "Communicator", numel: int, node: int) -> int:
 def _mix(comm: "Communicator", vs: Sequence[torch.Tensor]) -> None:
     here = dict(zip(comm.nodes, vs))
     p, c = vs[0].numel(), comm.compress
-    nbytes = payload_bytes(p, c)
+    size = payload_bytes(p, c)
     for step in range(comm.gossip_steps):
         sent: Dict[int, torch.Tensor] = {}
         for i in comm.nodes:
             own = _slot(comm, i, f"hat.{i}", p, vs[0])
             sent[i] = encode(here[i] - own, c)
             own.add_(_decoded(sent[i], p, c, vs[0]))
-        messages = []
-        for i in comm.nodes:
-            for j in comm.neighbours[i]:
-                messages.append((i, j, sent[i], nbytes))
-                if not comm.mine(j):
-                    messages.append((j, i, None, nbytes))
-        got = comm.deliver(messages, f"compressed mixing step {step}", vs[0].device)
+        hops = [comm.byte_hop(i, j, sent.get(i), size, vs[0].device) for i in range(comm.n_nodes) for j in comm.neighbours[i]]
+        got = comm.exchange(hops, f"compressed mixing step {step}")
         for j in comm.nodes:
             for i in comm.neighbours[j]:
                 _slot(comm, j, f"hat.{i}", p, vs[0]).add_(_decoded(got[(i, j)], p, c, vs[0]))
@@ -104,23 +99,20 @@ def _owner_mean(comm: "Communicator", vs: Sequence[torch.Tensor]) -> None:
     p = vs[0].numel()
     bounds = chunk_bounds(p, n)
     here = dict(zip(comm.nodes, vs))
+    sizes = [payload_bytes(hi - lo, c) for lo, hi in bounds]
     # reduce-scatter: chunk k of node i's change goes to node k
     ins: Dict[int, List[torch.Tensor]] = {}
-    messages = []
     for i in comm.nodes:
         h = _slot(comm, i, "h", p, vs[0])
         change = here[i] - h
         ins[i] = []
-        for k, (lo, hi) in enumerate(bounds):
+        for lo, hi in bounds:
             q = encode(change[lo:hi], c)
             h[lo:hi].add_(_decoded(q, hi - lo, c, vs[0]))
             ins[i].append(q)
-            if k != i:
-                messages.append((i, k, q, payload_bytes(hi - lo, c)))
-    for k in comm.nodes:
-        lo, hi = bounds[k]
-        messages += [(i, k, None, payload_bytes(hi - lo, c)) for i in range(n) if i != k and not comm.mine(i)]
-    got = comm.deliver(messages, "compressed reduce-scatter", vs[0].device)
+    hops = [comm.byte_hop(i, k, ins[i][k] if comm.mine(i) else None, sizes[k], vs[0].device)
+            for i in range(n) for k in range(n) if k != i]
+    got = comm.exchange(hops, "compressed reduce-scatter")
     outs: Dict[int, torch.Tensor] = {}
     for k in comm.nodes:   # node k owns chunk k: the exact mean of the h's, then its change for all
         lo, hi = bounds[k]
@@ -131,13 +123,8 @@ def _owner_mean(comm: "Communicator", vs: Sequence[torch.Tensor]) -> None:
         mean.add_(total.div_(n))
         zhat = _slot(comm, k, "zhat", p, vs[0])
         outs[k] = encode(mean - zhat[lo:hi], c)
-    messages = []
-    for k in comm.nodes:
-        messages += [(k, j, outs[k], payload_bytes(bounds[k][1] - bounds[k][0], c)) for j in range(n) if j != k]
-    for j in comm.nodes:
-        messages += [(k, j, None, payload_bytes(hi - lo, c)) for k, (lo, hi) in enumerate(bounds)
-                     if k != j and not comm.mine(k)]
-    got = comm.deliver(messages, "compressed all-gather", vs[0].device)
+    hops = [comm.byte_hop(k, j, outs.get(k), sizes[k], vs[0].device) for k in range(n) for j in range(n) if j != k]
+    got = comm.exchange(hops, "compressed all-gather")
     for j in comm.nodes:
         zhat = _slot(comm, j, "zhat", p, vs[0])
         for k, (lo, hi) in enumerate(bounds):

@@ -1,13 +1,11 @@
 """Byte meter: every byte each node sends and receives through the communicator.
 
-Counts are kept per round, per node, per phase (``consensus``: the z-step
-payload; ``telemetry``: the few scalars gathered for the report) and per
-primitive (``isend``, ``irecv``, ``all_reduce``, ``all_gather``). The
-communicator records a point-to-point message at the moment it posts it,
-with the exact size of the buffer; collectives whose wire pattern belongs to
-the backend are recorded with the ring convention (see
-:func:`ring_bytes_per_rank`), which the benchmark checks against the bytes
-that actually crossed the loopback interface.
+Counts are kept per round, node, phase (``consensus``: the z-step payload on the wire;
+``in_process``: hops between two nodes of one rank, copied in memory; ``telemetry``: rows
+gathered for every rank) and primitive (``isend``, ``irecv``, ``copy``, ``all_reduce``,
+``all_gather``). A point-to-point message is recorded when it is posted, with the buffer's exact
+size; a collective whose wire pattern is the backend's, by the ring convention
+(:func:`ring_bytes_per_rank`), which the benchmark checks against the loopback interface.
 """
 from __future__ import annotations
 
@@ -15,8 +13,9 @@ import dataclasses
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
-CONSENSUS = "consensus"
-TELEMETRY = "telemetry"
+CONSENSUS = "consensus"       # the z-step's payload on the wire
+TELEMETRY = "telemetry"       # rows every rank needs (the rounds' figures, the collections' records)
+IN_PROCESS = "in_process"     # the bytes a hop between two nodes of one rank copies in memory
 
 
 @dataclasses.dataclass
@@ -30,9 +29,6 @@ class Count:
         self.recv += other.recv
         self.calls += other.calls
         return self
-
-    def as_dict(self) -> Dict[str, int]:
-        return dataclasses.asdict(self)
 
 
 Key = Tuple[int, str, str]  # (node, phase, primitive), within one round
@@ -67,24 +63,8 @@ class ByteMeter:
                     out += c
         return out
 
-    def by_primitive(self, *, node: Optional[int] = None, round: Optional[int] = None,
-                     phase: Optional[str] = None) -> Dict[str, Dict[str, int]]:
-        prims = sorted({k[2] for counts in self._rounds.values() for k in counts})
-        out = {p: self.total(node=node, round=round, phase=phase, primitive=p).as_dict()
-               for p in prims}
-        return {p: c for p, c in out.items() if c["calls"]}
-
-    def nodes(self) -> List[int]:
-        return sorted({k[0] for counts in self._rounds.values() for k in counts})
-
     def reset(self) -> None:
         self._rounds.clear()
-
-    def to_records(self) -> List[Dict[str, object]]:
-        """Flat JSON-ready rows, one per (round, node, phase, primitive)."""
-        return [dict(round=r, node=n, phase=ph, primitive=p, **c.as_dict())
-                for r in sorted(self._rounds)
-                for (n, ph, p), c in sorted(self._rounds[r].items())]
 
 
 def chunk_sizes(numel: int, n: int) -> List[int]:

@@ -1,4 +1,7 @@
-"""Gossip graphs and their Metropolis-Hastings mixing weights.
+"""The consensus modes, the gossip graphs and their Metropolis-Hastings mixing weights.
+
+Modes: ``coordinator`` and ``ring`` reach the exact mean; ``gossip`` and ``decentralized`` mix
+neighbours (:data:`MIXING`), each node keeping its own z_i.
 
 Every graph is undirected, has no self-loops, and is connected for ``n >= 2``:
 
@@ -25,6 +28,21 @@ from typing import Dict, List, Tuple
 from admm_dist.core.errors import UserError
 
 TOPOLOGIES = ("ring", "complete", "expander", "grid", "chain")
+MODES = ("coordinator", "ring", "gossip", "decentralized")
+MIXING = ("gossip", "decentralized")   # neighbour mixing: each node keeps its own z_i
+DECENTRALIZED = "decentralized"
+
+
+def check_mode(mode: str, topology: str, gossip_steps: int) -> None:
+    if mode not in MODES:
+        raise UserError(f"consensus={mode!r} is unknown: choose one of {', '.join(MODES)}")
+    if topology not in TOPOLOGIES:
+        raise UserError(f"topology={topology!r} is unknown: choose one of {', '.join(TOPOLOGIES)}")
+    if mode == "gossip" and gossip_steps < 1:
+        raise UserError(f"gossip_steps={gossip_steps}: gossip needs at least one mixing step (>= 1)")
+    if mode == DECENTRALIZED and gossip_steps != 1:
+        raise UserError(f"gossip_steps={gossip_steps}: consensus decentralized exchanges once per round; "
+                        "gossip_steps is for consensus gossip (drop it, or set gossip_steps=1)")
 
 
 def _grid_shape(n: int) -> Tuple[int, int]:
@@ -98,24 +116,3 @@ def half_mean_weights(nbrs: List[List[int]]) -> List[Dict[int, float]]:
         row[i] = 0.5 if ns else 1.0
         rows.append(row)
     return rows
-
-
-def mixing_matrix(topology: str, n: int):
-    """The dense n x n mixing matrix (float64), for tests and analysis."""
-    import torch
-
-    W = torch.zeros(n, n, dtype=torch.float64)
-    for i, row in enumerate(metropolis_weights(neighbours(topology, n))):
-        for j, w in row.items():
-            W[i, j] = w
-    return W
-
-
-def is_connected(nbrs: List[List[int]]) -> bool:
-    seen, todo = {0}, [0]
-    while todo:
-        for j in nbrs[todo.pop()]:
-            if j not in seen:
-                seen.add(j)
-                todo.append(j)
-    return len(seen) == len(nbrs)
