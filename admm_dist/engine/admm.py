@@ -41,13 +41,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
 from admm_dist.core.config_file import key
 from admm_dist.core.errors import RunError, UserError
 from admm_dist.engine.comm import CONSENSUS, DECENTRALIZED, IN_PROCESS, Communicator
+
+COMM = "comm."   # the name prefix of the communicator's per-node state in a state_dict
 
 # x-step: (node, x (updated in place), proximal centre z_i - u_i or None, rho) -> f_i
 XStep = Callable[[int, torch.Tensor, Optional[torch.Tensor], float], float]
@@ -247,25 +249,33 @@ class ADMMEngine:
         return self.comm.gather_rows(torch.stack([v.detach().reshape(-1) for v in vectors]))
 
     # -- state ------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, object]:
-        """Tensors and round number of the local nodes (safetensors-friendly keys)."""
-        out: Dict[str, object] = {"round": self.round, "rho": self._rho}
+    def state_dict(self) -> Dict[str, Any]:
+        """This process's part of the run: the round, the penalty, the history and, per local node,
+        its x, z, u and the communicator's state of it (``comm.<name>``: the public copies of
+        compressed consensus)."""
+        nodes = {}
         for k, node in enumerate(self.nodes):
-            out[f"x.{node}"] = self.x[k]
-            out[f"z.{node}"] = self.z[k]
-            out[f"u.{node}"] = self.u[k]
-        return out
+            nodes[node] = {"x": self.x[k], "z": self.z[k], "u": self.u[k],
+                           **{COMM + name: t for name, t in self.comm.node_state(node).items()}}
+        return {"round": self.round, "rho": self._rho, "history": [r.as_dict() for r in self.history],
+                "nodes": nodes}
 
-    def load_state_dict(self, state: Mapping[str, object]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (of this placement, or of any other: per node)."""
         for k, node in enumerate(self.nodes):
+            if node not in state["nodes"]:
+                raise KeyError(f"the state holds no node {node}: it was saved for other nodes")
+            own = state["nodes"][node]
             for name, dst in (("x", self.x), ("z", self.z), ("u", self.u)):
-                key = f"{name}.{node}"
-                if key not in state:
-                    raise KeyError(f"state has no {key!r}: it was saved for other nodes")
-                src = state[key]
+                src = own[name]
                 if src.shape != dst[k].shape:
-                    raise UserError(f"{key}: shape {tuple(src.shape)} != {tuple(dst[k].shape)} "
-                                    "(a checkpoint from another configuration)")
+                    raise ValueError(f"{name} of node {node}: shape {tuple(src.shape)} != {tuple(dst[k].shape)} "
+                                     "(a state from another configuration)")
                 dst[k].copy_(src)
+            public = {name[len(COMM):]: t for name, t in own.items() if name.startswith(COMM)}
+            if self.comm.compress != "none" and not public:
+                raise ValueError(f"node {node}'s state lacks the public copies of compress={self.comm.compress}")
+            self.comm.load_node_state(node, public)
         self.round = int(state["round"])
-        self._rho = float(state.get("rho", self.config.rho))
+        self._rho = float(state["rho"])
+        self.history = [RoundRecord(**r) for r in state["history"]]

@@ -170,8 +170,8 @@ def backbone_identity(adapter: Any) -> Optional[Dict[str, Any]]:
 
 def check_backbone(path: str, theirs: Any, adapter: BOnlyLoRA) -> None:
     """Refuse a file trained on another backbone than ``adapter``'s (by :func:`backbone_identity`'s
-    weight digest), naming both. A file that records no backbone (written before it was recorded)
-    is accepted: only its shape can be checked."""
+    weight digest), naming both. A file that records no backbone (saved without an adapter, as a
+    vector made by hand for ``init_state``) is accepted: only its shape can be checked."""
     if not isinstance(theirs, dict) or not theirs.get("weights"):
         return
     mine = backbone_identity(adapter)

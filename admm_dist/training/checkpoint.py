@@ -3,9 +3,10 @@
 Layout, under ``<out>.ckpt/``::
 
     round-000012/node-3.safetensors   x, z, u, Adam moments, torch RNG state(s)
-    round-000012/node-3.json          round, config fingerprint, Adam step, sampler
-                                      state, history so far, the settings that may change
-                                      on resume, and the sha256 of both files
+    round-000012/node-3.json          round, config fingerprint, the engine's round, rho and
+                                      history, Adam step, sampler state, the run's record,
+                                      the settings that may change on resume, and the
+                                      sha256 of both files
 
 Each file is written atomically (temporary file, fsync, rename) and the JSON
 file is written last: its presence marks the node's checkpoint of that round
@@ -14,7 +15,7 @@ hand-edited file is refused, naming the file, instead of resuming to a different
 the content of its fit set and initial state): a round counts for a run only when every
 node's file carries that run's fingerprint, so one run never resumes from, or prunes,
 another's checkpoints. ``resume auto`` restarts from the last round that *every* node
-completed, agreed across ranks through the communicator; only the last ``keep`` rounds
+completed, agreed across ranks (:mod:`admm_dist.engine.control`); only the last ``keep`` rounds
 that every rank has completed are kept (a rank never prunes a round another rank still needs).
 Nothing is pickled.
 """
@@ -157,9 +158,10 @@ def previous_of(root: str, k: int, node: int) -> int:
 
 # What a checkpoint must hold: tensor name -> dtype (None: any float), and JSON key -> type(s).
 TENSORS = {"x": None, "z": None, "u": None, "rng_cpu": torch.uint8}
-META = {"fingerprint": str, "adam": dict, "sampler": (dict, type(None)), "history": list,
-        "dev_curve": list, "rho": (int, float), "best": (list, type(None)), "round": int, "node": int,
-        "resumable": dict, "collections": list, "anchor_keys_all": list, "identity": dict, "previous": int}
+META = {"fingerprint": str, "engine": dict, "adam": dict, "sampler": (dict, type(None)), "record": dict,
+        "best": (dict, type(None)), "round": int, "node": int, "resumable": dict, "identity": dict, "previous": int}
+ENGINE_META = {"round": int, "rho": (int, float), "history": list}   # the engine's state_dict() beside its tensors
+RECORD_META = {"collections": list, "anchor_keys_all": list, "dev_curve": list}   # RunRecord.state_dict()
 
 
 def _check_layout(where: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]) -> None:
@@ -168,13 +170,14 @@ def _check_layout(where: str, tensors: Mapping[str, torch.Tensor], meta: Mapping
         if t is None or (dtype is not None and t.dtype != dtype) or (dtype is None and not t.is_floating_point()):
             raise CheckpointError(f"checkpoint {where} lacks a valid tensor {name!r}: the file is damaged or "
                                   "from another version; delete that round folder to resume from the one before")
-    for key, types in META.items():
-        if key not in meta or not isinstance(meta[key], types) or isinstance(meta[key], bool):
-            raise CheckpointError(f"checkpoint {where} lacks a valid {key!r} (found {type(meta.get(key)).__name__}): "
-                                  "the file is damaged or from another version; delete that round folder to "
-                                  "resume from the one before")
+    for part, layout in ((meta, META), (meta.get("engine"), ENGINE_META), (meta.get("record"), RECORD_META)):
+        for key, types in layout.items():
+            if key not in part or not isinstance(part[key], types) or isinstance(part[key], bool):
+                raise CheckpointError(f"checkpoint {where} lacks a valid {key!r} (found "
+                                      f"{type(part.get(key)).__name__}): the file is damaged or from another "
+                                      "version; delete that round folder to resume from the one before")
     best = meta["best"]
-    if best is not None and ("best_z" not in tensors or len(best) != 2):
+    if best is not None and ("best_z" not in tensors or set(best) != {"dev_nll", "round"}):
         raise CheckpointError(f"checkpoint {where} names a best round but lacks its tensor: delete that round "
                               "folder to resume from the one before")
 

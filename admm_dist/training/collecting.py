@@ -31,6 +31,7 @@ from admm_dist.training.tracking import collection_scalars
 if TYPE_CHECKING:
     from admm_dist.model.adapter import BOnlyLoRA
     from admm_dist.training.report import TrainReport
+    from admm_dist.training.state import RunRecord
     from admm_dist.training.tracking import Tracker
 
 
@@ -90,12 +91,12 @@ class CollectionRunner:
                 self._generator = None
 
 
-def record_collection(cfg: TrainConfig, f: fs.FitSet, collection: int, *, report: "TrainReport",
-                      tracker: "Tracker", talk: Callable[[str], None], rank: int) -> None:
-    """A collection's figures to the report, the trackers (at the round it ran after) and the
+def record_collection(cfg: TrainConfig, f: fs.FitSet, collection: int, *, record: "RunRecord",
+                      report: "TrainReport", tracker: "Tracker", talk: Callable[[str], None], rank: int) -> None:
+    """A collection's figures to the run's record, the trackers (at the round it ran after) and the
     log; rank 0 writes the first one to ``fitset_cache``."""
     stats = f.stats
-    report.add_collection(stats, f.anchor_keys)
+    record.add_collection(stats, f.anchor_keys)
     tracker.log(collection * cfg.recollect_every, collection_scalars(stats))
     talk(f"collection {collection}: {stats['kept_queries']}/{stats['queries']} queries x {cfg.group} "
          f"({cfg.credit}), {len(f.examples)} examples, pass rate {stats['mean_pass_rate']:.3f}, "

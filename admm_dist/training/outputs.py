@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from admm_dist.engine.admm import ADMMEngine
     from admm_dist.engine.control import Control
     from admm_dist.model.adapter import BOnlyLoRA
-    from admm_dist.training.state import BestRound
+    from admm_dist.training.state import BestRound, RunRecord
 
 
 class RefusedError(UserError):
@@ -219,7 +219,7 @@ class RunOutputs:
         return self.tracking.folder(self.cfg.report_dir, os.path.basename(self.cfg.out))
 
     def open_tracker(self, control: "Control", fingerprint: str, resumed_after: int,
-                     report: TrainReport) -> Tracker:
+                     record: "RunRecord") -> Tracker:
         """This rank's trackers (rank 0 writes); a fresh run logs the collections made so far.
         Every rank stops if rank 0 could not open them (no rank is left waiting in a round)."""
         cfg = self.cfg
@@ -239,7 +239,7 @@ class RunOutputs:
             raise UserError("rank 0 could not open the trackers of report_to (see its message)")
         if tracker.active:
             self.talk(f"tracking ({', '.join(self.tracking.active)}) in {self.tracking_folder()}")
-            for stats in (report.get("collections") or [] if not resumed_after else []):
+            for stats in (record.collections if not resumed_after else []):
                 tracker.log(stats["collection"] * cfg.recollect_every, collection_scalars(stats))
         return tracker
 

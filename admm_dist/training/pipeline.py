@@ -16,6 +16,7 @@ from admm_dist.data import partition as pt
 from admm_dist.mas.collection import collect_key
 from admm_dist.training.config import TrainConfig
 from admm_dist.training.report import TrainReport
+from admm_dist.training.state import RunRecord
 
 
 def file_fingerprint(path: Optional[str]) -> str:
@@ -52,7 +53,7 @@ def needs_collection(cfg: TrainConfig) -> bool:
     return True
 
 
-def read_fitset(cfg: TrainConfig, report: TrainReport) -> fs.FitSet:
+def read_fitset(cfg: TrainConfig, report: TrainReport, record: RunRecord) -> fs.FitSet:
     """The fit set of ``fitset_cache``, refused unless it was built under this run's settings."""
     f = fs.load_fitset(cfg.fitset_cache)
     if f.settings.get("sampling_structure") == "on_policy":
@@ -68,7 +69,7 @@ def read_fitset(cfg: TrainConfig, report: TrainReport) -> fs.FitSet:
         raise UserError(f"--fitset_cache {cfg.fitset_cache} was built with different settings "
                         f"(file, requested): {diff}; collect again (remove the file) or match them")
     report.fitset_provenance = "file"
-    report.add_anchor_keys(list(f.anchor_keys))   # re-collections add theirs: evaluation must avoid all
+    record.add_anchor_keys(list(f.anchor_keys))   # re-collections add theirs: evaluation must avoid all
     return f
 
 
@@ -85,7 +86,7 @@ def shard(cfg: TrainConfig, f: fs.FitSet, nodes: Sequence[int], report: TrainRep
     report.fitset_settings_key = fs.settings_key(f.settings)
     report.fitset_settings = f.settings
     report.collection = f.stats
-    report.anchor_keys = report.get("anchor_keys_all") or list(f.anchor_keys)
+    report.anchor_keys = list(f.anchor_keys)   # until the record's (RunRecord.fill) names every collection's
     report.adapted_seats = seats
     report.adapted_roles = [cfg.role(s) for s in seats]
     if cfg.fit_filter == "drop_unclosed_think":

@@ -1,7 +1,9 @@
 """The training report (``<report_dir>/<name>-train.json``, docs/design.md section 7) as a typed recorder.
 
 Every key the trainer reports is a field here, with its type and meaning; the trainer sets
-fields, and :meth:`TrainReport.as_dict` writes those that were set, in this order. A field
+fields, and :meth:`TrainReport.as_dict` writes those that were set, in this order. The report is
+an output only: what a resume needs lives in typed state (:mod:`admm_dist.training.state`), which
+the report copies. A field
 never set (a run with no dev split has no ``dev_curve``) is absent from the file, which is
 what the readers (:mod:`admm_dist.mas.evaluation`, the benchmarks) expect.
 """
@@ -68,25 +70,6 @@ class TrainReport:
     def get(self, name: str, default: Any = None) -> Any:
         value = getattr(self, name)
         return default if value is UNSET else value
-
-    def add_collection(self, stats: Dict[str, Any], anchor_keys: List[str]) -> None:
-        """One collection's stats, and its query keys added to ``anchor_keys_all`` (in order)."""
-        if self.collections is UNSET:
-            self.collections = []
-        self.collections.append({k: v for k, v in stats.items() if k != "per_group_outcomes"})
-        self.add_anchor_keys(anchor_keys)
-
-    def add_anchor_keys(self, anchor_keys: List[str]) -> None:
-        """Query keys the run trained on (a collection's, or a fit-set file's), added in order."""
-        if self.anchor_keys_all is UNSET:
-            self.anchor_keys_all = []
-        seen = set(self.anchor_keys_all)
-        self.anchor_keys_all += [k for k in anchor_keys if k not in seen]
-
-    def add_dev_point(self, round_: int, dev_nll: float) -> None:
-        if self.dev_curve is UNSET:
-            self.dev_curve = []
-        self.dev_curve.append({"round": round_, "dev_nll": dev_nll})
 
     def as_dict(self) -> Dict[str, Any]:
         """The set fields, JSON-ready (non-finite floats become null, tensors lists)."""

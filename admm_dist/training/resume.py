@@ -1,29 +1,31 @@
 """Saving a round and resuming from the last round every rank completed.
 
-A checkpoint of round k holds, per node, x, z, u, the public copies of compressed consensus
-(``comm.*``), the Adam moments, the CPU RNG state, the sampler's position, the round history,
-the dev curve, the adaptive rho, the best round and, once the run has collected again
-(``recollect_every``), the node's state that collection ran under (files:
-:mod:`admm_dist.training.checkpoint`). Resuming restores exactly that, so a resumed run
-continues bit for bit as if it had not stopped.
+A checkpoint is written from the objects that own the run's state, each through its
+``state_dict()`` (:class:`Checkpointed`): the engine (per node x, z, u and the public copies of
+compressed consensus; the round, rho and history), each node's optimizer and sampler, the run's
+record (:class:`~admm_dist.training.state.RunRecord`), the best round, the states the last
+re-collection ran under, and the CPU RNG state. A resume loads the files
+(:mod:`admm_dist.training.checkpoint`) and restores each object through ``load_state_dict()``, so
+a resumed run continues bit for bit as if it had not stopped. The report is not read back.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from admm_dist.engine.admm import RoundRecord
 from admm_dist.training import checkpoint as ckpt
 from admm_dist.training.checkpoint import CheckpointError
 from admm_dist.training.config import RESUMABLE, TrainConfig
 from admm_dist.training.report import TrainReport
-from admm_dist.training.state import BestRound, NodeState
+from admm_dist.training.state import BestRound, NodeState, RunRecord
 
-COMM_STATE = "comm."   # tensor-name prefix of the communicator's per-node state
 ADAM = "adam."         # tensor-name prefix of the optimizer's per-parameter state
+ENGINE = ("x", "z", "u")   # the engine's per-node tensors (and its "comm.*" state)
 COLLECTED_UNDER = "collected_under"   # the node's deployed state at the last re-collection
+BEST_Z = "best_z"
 
 if TYPE_CHECKING:
     from admm_dist.engine.admm import ADMMEngine
@@ -31,44 +33,47 @@ if TYPE_CHECKING:
     from admm_dist.testing.faults import FaultPlan
 
 
-def save_round(root: str, *, engine: "ADMMEngine", control: "Control", nodes: Sequence[int],
-               state: Dict[int, NodeState], fingerprint: str, report: TrainReport,
-               best: Optional[BestRound], keep: int, resumable: Dict[str, float], identity: Mapping[str, Any],
-               collected_under: Optional[Sequence[torch.Tensor]] = None,
-               faults: Optional["FaultPlan"] = None) -> None:
+@dataclasses.dataclass
+class Checkpointed:
+    """What a checkpoint is written from and restored into: the objects that own the run's state."""
+    engine: "ADMMEngine"
+    nodes: Dict[int, NodeState]
+    record: RunRecord
+    best: Optional[BestRound] = None
+    collected_under: Optional[Sequence[torch.Tensor]] = None   # per local node, once the run collected again
+
+    def node_files(self, node: int, engine_state: Mapping[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict]:
+        """Node ``node``'s tensors and JSON state."""
+        st = self.nodes[node]
+        adam_tensors, adam_scalars = optimizer_record(st.optimizer)
+        tensors = {**engine_state["nodes"][node], **adam_tensors, "rng_cpu": torch.get_rng_state()}
+        if self.best is not None:
+            tensors[BEST_Z] = self.best.z
+        if self.collected_under is not None:
+            tensors[COLLECTED_UNDER] = self.collected_under[list(self.nodes).index(node)]
+        meta = {"engine": {k: engine_state[k] for k in ("round", "rho", "history")},
+                "adam": adam_scalars, "sampler": st.sampler.state_dict() if st.sampler else None,
+                "record": self.record.state_dict(),
+                "best": None if self.best is None else {k: v for k, v in self.best.state_dict().items() if k != "z"}}
+        return tensors, meta
+
+
+def save_round(root: str, run: Checkpointed, control: "Control", *, fingerprint: str, identity: Mapping[str, Any],
+               resumable: Mapping[str, float], keep: int, faults: Optional["FaultPlan"] = None) -> None:
     """Every node of this rank writes round ``engine.round``; then the ranks agree on the newest
     round all of them completed, and only then prune to ``keep`` rounds up to it.
 
     A rank killed while writing leaves the others waiting in that agreement (they fail with the
     dead peer), so no rank ever prunes the last round every rank completed."""
-    k = engine.round
-    history = [r.as_dict() for r in engine.history]
+    nodes = list(run.nodes)
+    k = run.engine.round
+    engine_state = run.engine.state_dict()
     before = [r for r in ckpt.completed_rounds(root, nodes, fingerprint) if r < k]
-    for j, node in enumerate(nodes):
-        st = state[node]
-        tensors = {"x": engine.x[j], "z": engine.z[j], "u": engine.u[j], "rng_cpu": torch.get_rng_state()}
-        # compressed consensus: the node's public copies (admm_dist/engine/comm/compressed.py)
-        tensors.update({f"{COMM_STATE}{name}": t for name, t in engine.comm.node_state(node).items()})
-        adam_tensors, adam_scalars = optimizer_record(st.optimizer)
-        tensors.update(adam_tensors)
-        meta = {"fingerprint": fingerprint,
-                "adam": adam_scalars,
-                "sampler": st.sampler.state_dict() if st.sampler else None, "history": history,
-                "dev_curve": report.get("dev_curve", []),
-                # what the report says of the collections so far (a resume makes only the last again)
-                "collections": report.get("collections", []),
-                "anchor_keys_all": report.get("anchor_keys_all", []),
-                "rho": engine.state_dict()["rho"],
-                "best": None if best is None else best.meta(),
-                "resumable": dict(resumable),
-                # what the fingerprint hashes, so a refused resume can name the setting that differs
-                "identity": dict(identity),
-                # the checkpoint before this one: every node must hold it or this one
-                "previous": before[-1] if before else 0}
-        if best is not None:
-            tensors["best_z"] = best.z
-        if collected_under is not None:      # the state the last re-collection ran under
-            tensors[COLLECTED_UNDER] = collected_under[j]
+    for node in nodes:
+        tensors, meta = run.node_files(node, engine_state)
+        meta.update(fingerprint=fingerprint, resumable=dict(resumable),
+                    identity=dict(identity),   # what the fingerprint hashes: a refused resume names the difference
+                    previous=before[-1] if before else 0)   # every node must hold it or this one
         ckpt.save_node(root, k, node, tensors, meta,   # faults: tests only, a kill inside this write
                        hook=None if faults is None else (lambda point, n=node: faults.in_checkpoint(k, n, point)))
     mine = ckpt.completed_rounds(root, nodes, fingerprint)
@@ -176,74 +181,47 @@ def agreed_round(cfg: TrainConfig, control: "Control", nodes: Sequence[int], ran
     return agreed
 
 
-def restore_collections(report: TrainReport, meta: Dict, upto: Optional[int]) -> None:
-    """The report's record of the collections before collection ``upto`` (the one the resume
-    makes again; all of them when None) and of every query trained on, from a checkpoint's meta
-    (empty in a run that has not collected yet: the report keeps what this attempt collected)."""
-    if meta["collections"]:
-        report.collections = [c for c in meta["collections"] if upto is None or c.get("collection", 0) < upto]
-    if meta["anchor_keys_all"]:
-        report.anchor_keys_all = []
-        report.add_anchor_keys(list(meta["anchor_keys_all"]))
-        report.anchor_keys = list(report.anchor_keys_all)
-
-
-def restore_round(cfg: TrainConfig, agreed: int, *, engine: "ADMMEngine", nodes: Sequence[int],
-                  state: Dict[int, NodeState], fingerprint: str, device,
-                  report: TrainReport, recollect: Callable[..., None]) -> Optional[BestRound]:
-    """Load round ``agreed`` into the engine, the optimisers and the samplers; the best round.
-    With ``recollect_every``, the last re-collection before ``agreed`` is made again, under the
-    states it ran under (kept in the checkpoint), which gives the same rollouts."""
+def restore_round(cfg: TrainConfig, agreed: int, run: Checkpointed, *, fingerprint: str, device,
+                  report: TrainReport, recollect: Callable[..., None]) -> None:
+    """Load round ``agreed`` into ``run``'s objects (the best round too). With ``recollect_every``,
+    the last re-collection before ``agreed`` is made again, under the states it ran under (kept in
+    the checkpoint), which gives the same rollouts."""
     root = ckpt.ckpt_root(cfg.out)
-    restored: Dict[str, object] = {"round": agreed}
-    loaded = {}
-    for node in nodes:
-        tensors, meta = ckpt.load_node(root, agreed, node, fingerprint)
-        loaded[node] = (tensors, meta)
-        restored["rho"] = meta["rho"]
-        for name in ("x", "z", "u"):
-            restored[f"{name}.{node}"] = tensors[name].to(device)
-    where = f"{ckpt.round_dir(root, agreed)}"
-    for node, (tensors, _) in loaded.items():
-        public = {k[len(COMM_STATE):]: t.to(device) for k, t in tensors.items() if k.startswith(COMM_STATE)}
-        if engine.comm.compress != "none" and not public:
-            raise CheckpointError(f"checkpoint {where}/node-{node} lacks the public copies of compress="
-                                  f"{engine.comm.compress}: delete that round folder to resume from the one before")
-        engine.comm.load_node_state(node, public)
+    where = ckpt.round_dir(root, agreed)
+    loaded = {node: ckpt.load_node(root, agreed, node, fingerprint) for node in run.nodes}
+    first = next(iter(loaded.values()))[1]
+    engine_state = dict(first["engine"], nodes={
+        node: {k: t.to(device) for k, t in tensors.items() if k in ENGINE or k.startswith("comm.")}
+        for node, (tensors, _) in loaded.items()})
     try:
-        engine.load_state_dict(restored)
-    except (KeyError, ValueError, RuntimeError) as e:
+        run.engine.load_state_dict(engine_state)
+    except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {where} does not fit this run ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}): delete that round folder to "
                               "resume from the one before") from None
     every = cfg.recollect_every
     again = agreed // every if every and every <= agreed < cfg.k_outer else None   # the collection made again
-    restore_collections(report, loaded[nodes[0]][1], again)
+    run.record.load_state_dict(first["record"], before_collection=again)
     if again is not None:
-        kept = [loaded[node][0].get(COLLECTED_UNDER) for node in nodes]
+        kept = [tensors.get(COLLECTED_UNDER) for tensors, _ in loaded.values()]
         if any(v is None for v in kept):
             raise CheckpointError(f"checkpoint {where} lacks the states of collection {again}: the file is damaged "
                                   "or from another version; delete that round folder to resume from the one before")
         recollect(again, [v.to(device) for v in kept])
-    best: Optional[BestRound] = None
     for node, (tensors, meta) in loaded.items():
-        st = state[node]
+        st = run.nodes[node]
         try:
             load_optimizer(st.optimizer, tensors, meta["adam"], device)
             if st.sampler is not None and meta["sampler"] is not None:
                 st.sampler.load_state_dict(meta["sampler"])
             torch.set_rng_state(tensors["rng_cpu"])
-            engine.history = [RoundRecord(**r) for r in meta["history"]]
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {where}/node-{node} does not fit this run ({type(e).__name__}): "
                                   "delete that round folder to resume from the one before") from None
-        if meta.get("dev_curve"):
-            report.dev_curve = meta["dev_curve"]
-        if meta.get("best") is not None:
-            best = BestRound(meta["best"][0], meta["best"][1], tensors["best_z"].to(device))
-    ckpt.prune(root, nodes, cfg.keep_checkpoints, fingerprint, upto=agreed)   # agreed: every rank has it
-    then = loaded[nodes[0]][1]["resumable"]
+        if meta["best"] is not None:
+            run.best = BestRound.from_state_dict(dict(meta["best"], z=tensors[BEST_Z].to(device)))
+    ckpt.prune(root, list(run.nodes), cfg.keep_checkpoints, fingerprint, upto=agreed)   # every rank has it
+    then = first["resumable"]
     report.resumed = {"after_round": agreed,
                       "changed": {k: [then[k], getattr(cfg, k)] for k in RESUMABLE
                                   if k in then and then[k] != getattr(cfg, k)}}
-    return best

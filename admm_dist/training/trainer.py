@@ -50,7 +50,7 @@ from admm_dist.training.collecting import (CollectionRunner, kl_references, node
 from admm_dist.training.config import RESUMABLE, TrainConfig
 from admm_dist.training.outputs import RefusedError, RunOutputs, delta_w_rel, refusal
 from admm_dist.training.report import TrainReport
-from admm_dist.training.state import BestRound, NodeState
+from admm_dist.training.state import BestRound, NodeState, RunRecord
 from admm_dist.training.tracking import Tracker, final_scalars, round_scalars
 
 if TYPE_CHECKING:
@@ -110,7 +110,8 @@ class Trainer:
         self.show = not cfg.quiet and ctx.rank == 0    # progress bars and log lines
         self.talk = log if self.show else (lambda m: None)
         self.tracker = Tracker()   # report_to's writers, opened once the rounds are about to start
-        self.report = TrainReport(config=cfg.as_dict(), out_path=os.path.realpath(cfg.out))
+        self.report = TrainReport(config=cfg.as_dict(), out_path=os.path.realpath(cfg.out))   # output only
+        self.record = RunRecord()   # the collections, the keys trained on, the dev curve: resumable
         self.outputs = RunOutputs(cfg, ctx.rank, self.talk)
         self.collections: Optional[CollectionRunner] = None   # made by setup(), with the communicator
         self.fit_digest: Optional[str] = None   # content of the first fit set (fingerprint)
@@ -177,7 +178,7 @@ class Trainer:
         return pipeline.needs_collection(self.cfg)
 
     def read_fitset(self) -> fs.FitSet:
-        f = pipeline.read_fitset(self.cfg, self.report)
+        f = pipeline.read_fitset(self.cfg, self.report, self.record)
         self.fit_digest = fs.content_key(f)
         return f
 
@@ -188,7 +189,8 @@ class Trainer:
         """Roll out the MAS on this collection's training queries (every rank a share)."""
         f = self.collections.fitset(collection, states, model=self.model, tokenizer=self.tokenizer,
                                     adapter=self.adapter)
-        record_collection(self.cfg, f, collection, report=self.report, tracker=self.tracker, talk=self.talk,
+        record_collection(self.cfg, f, collection, record=self.record, report=self.report, tracker=self.tracker,
+                          talk=self.talk,
                           rank=self.rank)
         if collection == 0:
             self.fit_digest = fs.content_key(f)
@@ -303,7 +305,7 @@ class Trainer:
         self.report.basis_hash = self.adapter.basis_hash()
         if cfg.dry_run:
             self.talk("dry run: fit sets built, stopping before any gradient step")
-            self.outputs.write_report(self.report, "dryrun")
+            self.outputs.write_report(self.reported(), "dryrun")
             return self.report.as_dict()
         # Everything is checked and loaded: only now may overwrite remove the old run's files.
         self.outputs.clear_old_run(self.control)
@@ -312,7 +314,7 @@ class Trainer:
         root = ckpt.ckpt_root(cfg.out)
         if self.agree_preempt():   # the warning came while loading, collecting or resuming
             raise Preempted(self.engine.round, in_setup=True)
-        self.tracker = self.outputs.open_tracker(self.control, self.fingerprint, self.engine.round, self.report)
+        self.tracker = self.outputs.open_tracker(self.control, self.fingerprint, self.engine.round, self.record)
         with progress.bar(total=cfg.k_outer, initial=self.engine.round, desc="rounds", unit="round",
                           show=self.show) as bar:
             while self.engine.round < cfg.k_outer:
@@ -329,7 +331,7 @@ class Trainer:
                 bar.update(1)
                 if stop:
                     self.report.preempted_after_round = self.engine.round
-                    self.outputs.write_report(self.report, "preempted")
+                    self.outputs.write_report(self.reported(), "preempted")
                     raise Preempted(self.engine.round)
                 if self.faults is not None:
                     self.faults.after_round(self.engine.round, self.nodes)
@@ -343,7 +345,7 @@ class Trainer:
         k = rec.round
         if self.dev_set and (k % cfg.dev_every == 0 or k == cfg.k_outer) and not cfg.local_only:
             nll = self.dev_nll()
-            self.report.add_dev_point(k, nll)
+            self.record.add_dev_point(k, nll)
             if self.best is None or nll < self.best.dev_nll:
                 self.best = BestRound(nll, k, self.engine.z[0].detach().clone())
         self.talk(f"round {k:3d}/{cfg.k_outer}  f={[round(v, 4) for v in rec.f]}  "
@@ -357,7 +359,7 @@ class Trainer:
         if not self.tracker.active:
             return
         tele = self.comm.meter.total(node=self.nodes[0], round=rec.round, phase=TELEMETRY)
-        dev = [p["dev_nll"] for p in self.report.get("dev_curve") or [] if p["round"] == rec.round]
+        dev = [p["dev_nll"] for p in self.record.dev_curve if p["round"] == rec.round]
         dw = delta_w_rel(self.adapter, self.engine.z[0], self.cfg.lora_alpha, self.cfg.lora_rank)
         self.tracked_dw = (rec.round, dw)   # the last round's is the result's: finish() reuses it
         self.tracker.log(rec.round, round_scalars(rec, telemetry_sent=tele.sent, telemetry_recv=tele.recv,
@@ -377,12 +379,14 @@ class Trainer:
         return float(table[:, 0].sum() / table[:, 1].sum().clamp_min(1))
 
     # ------------------------------------------------------------------ checkpoints
+    def checkpointed(self) -> resume.Checkpointed:
+        """The objects a checkpoint is written from and restored into."""
+        return resume.Checkpointed(self.engine, self.state, self.record, self.best, self.collected_under)
+
     def checkpoint(self, root: str) -> None:
-        resume.save_round(root, engine=self.engine, control=self.control, nodes=self.nodes, state=self.state,
-                          fingerprint=self.fingerprint, report=self.report,
-                          best=self.best, collected_under=self.collected_under, keep=self.cfg.keep_checkpoints,
-                          resumable={k: getattr(self.cfg, k) for k in RESUMABLE}, identity=self.identity,
-                          faults=self.faults)
+        resume.save_round(root, self.checkpointed(), self.control, fingerprint=self.fingerprint,
+                          identity=self.identity, resumable={k: getattr(self.cfg, k) for k in RESUMABLE},
+                          keep=self.cfg.keep_checkpoints, faults=self.faults)
 
     def try_resume(self) -> None:
         agreed = resume.agreed_round(self.cfg, self.control, self.nodes, self.rank, self.fingerprint, self.identity,
@@ -390,18 +394,22 @@ class Trainer:
         if agreed == 0:
             self.talk("resume auto: no complete checkpoint on every rank; starting from round 0")
             return
-        best = resume.restore_round(self.cfg, agreed, engine=self.engine, nodes=self.nodes, state=self.state,
-                                    fingerprint=self.fingerprint,
-                                    device=self.ctx.device, report=self.report, recollect=self.recollect)
-        if best is not None:
-            self.best = best
+        run = self.checkpointed()
+        resume.restore_round(self.cfg, agreed, run, fingerprint=self.fingerprint, device=self.ctx.device,
+                             report=self.report, recollect=self.recollect)
+        self.best = run.best
         changed = self.report.resumed["changed"]
         self.talk(f"resume auto: continuing after round {agreed}" + "".join(
             f"; {k} changed {then:g} -> {now:g}" for k, (then, now) in changed.items()))
 
     # ------------------------------------------------------------------ outputs
+    def reported(self) -> TrainReport:
+        """The report, with the run's record copied in (it is written, never read back)."""
+        self.record.fill(self.report)
+        return self.report
+
     def finish(self) -> Dict[str, object]:
-        cfg, report = self.cfg, self.report
+        cfg, report = self.cfg, self.reported()
         hist = self.engine.history
         report.rounds = [r.as_dict() for r in hist]
         report.loss_curve = [r.f for r in hist]

@@ -70,10 +70,10 @@ def test_the_public_copies_are_per_node_state_that_restores_the_run():
     first, _ = solve(p, consensus="decentralized", topology="chain", rho=1.0, rounds=30, compress="int8")
     comm = LocalCommunicator(mode="decentralized", n_nodes=4, topology="chain", compress="int8")
     again = ADMMEngine(comm, ADMMConfig(rho=1.0), [torch.zeros(p.dim) for _ in range(4)])
-    again.load_state_dict(first.state_dict())
-    for node in range(4):
-        state = first.comm.node_state(node)
-        assert set(state) == {f"hat.{j}" for j in [node] + comm.neighbours[node]}
-        comm.load_node_state(node, state)
+    state = first.state_dict()
+    for node in range(4):   # the engine's state holds each node's public copies
+        assert {k for k in state["nodes"][node] if k.startswith("comm.")} == \
+            {f"comm.hat.{j}" for j in [node] + comm.neighbours[node]}
+    again.load_state_dict(state)
     again.run(p.exact_xstep(), 30)
     assert all(torch.equal(a, b) for a, b in zip(again.x, whole.x))

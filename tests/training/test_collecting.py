@@ -4,6 +4,7 @@ from admm_dist.data.fitset import Example, FitSet, load_fitset
 from admm_dist.training.collecting import record_collection
 from admm_dist.training.config import TrainConfig
 from admm_dist.training.report import TrainReport
+from admm_dist.training.state import RunRecord
 from admm_dist.training.tracking import Tracker
 
 
@@ -28,10 +29,12 @@ def test_each_collection_is_reported_tracked_at_its_round_and_only_the_first_is_
     cfg = TrainConfig(out=str(tmp_path / "run"), fitset_cache=str(tmp_path / "fit.jsonl"), recollect_every=4,
                       group=4, credit="per_role")
     report, writer, lines = TrainReport(config={}, out_path=cfg.out), _Scalars(), []
+    record = RunRecord()
     for c, n in ((0, 4), (1, 2)):
-        record_collection(cfg, _fitset(n, c), c, report=report, tracker=Tracker([writer]), talk=lines.append, rank=0)
-    assert [s["examples"] for s in report.collections] == [4, 2]
-    assert report.anchor_keys_all == [f"q0-{i}" for i in range(4)] + ["q1-0", "q1-1"]
+        record_collection(cfg, _fitset(n, c), c, record=record, report=report, tracker=Tracker([writer]),
+                          talk=lines.append, rank=0)
+    assert [s["examples"] for s in record.collections] == [4, 2]
+    assert record.anchor_keys_all == [f"q0-{i}" for i in range(4)] + ["q1-0", "q1-1"]
     assert report.fitset_provenance == "collected"
     # at the round each collection ran after: 0, then recollect_every
     assert [step for step, _ in writer.logged] == [0, 4]
@@ -46,6 +49,7 @@ def test_each_collection_is_reported_tracked_at_its_round_and_only_the_first_is_
 
 def test_only_rank_0_writes_the_cache(tmp_path):
     cfg = TrainConfig(out=str(tmp_path / "run"), fitset_cache=str(tmp_path / "fit.jsonl"))
-    report = TrainReport(config={}, out_path=cfg.out)
-    record_collection(cfg, _fitset(2, 0), 0, report=report, tracker=Tracker(), talk=lambda m: None, rank=1)
-    assert not (tmp_path / "fit.jsonl").exists() and len(report.collections) == 1
+    report, record = TrainReport(config={}, out_path=cfg.out), RunRecord()
+    record_collection(cfg, _fitset(2, 0), 0, record=record, report=report, tracker=Tracker(), talk=lambda m: None,
+                      rank=1)
+    assert not (tmp_path / "fit.jsonl").exists() and len(record.collections) == 1

@@ -346,11 +346,11 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(assets, tmp_path, capsy
     assert "delete that round folder" in err[0]
     tensors.write_bytes(good[0])
     meta = json.loads(good[1])
-    meta["rho"] = 0.3                                      # an edit that still parses
+    meta["engine"]["rho"] = 0.3                            # an edit that still parses
     marker.write_text(json.dumps(meta))
     rc, err = _run(capsys, assets, tmp_path, k_outer=3, resume="auto")
     assert rc == 2 and len(err) == 1 and f"{marker} fails its checksum" in err[0], err
-    del meta["rho"]                                        # a layout from elsewhere, checksum made to fit
+    del meta["engine"]["rho"]                              # a layout from elsewhere, checksum made to fit
     meta["meta_sha256"] = ckpt._meta_digest(meta)
     marker.write_text(json.dumps(meta))
     rc, err = _run(capsys, assets, tmp_path, k_outer=3, resume="auto")

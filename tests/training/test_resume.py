@@ -1,43 +1,55 @@
-"""What a resume restores beside the tensors (:mod:`admm_dist.training.resume`): the report's
-record of the collections so far and of every query trained on."""
+"""What a resume restores beside the tensors (:mod:`admm_dist.training.resume`): the run's record
+(:class:`~admm_dist.training.state.RunRecord`) of the collections so far and of every query
+trained on, through its state_dict; the optimizer through its own."""
 from admm_dist.training.report import TrainReport
-from admm_dist.training.resume import restore_collections
+from admm_dist.training.state import RunRecord
 
-META = {"collections": [{"collection": c, "mean_pass_rate": 0.4 + c / 10} for c in range(3)],
-        "anchor_keys_all": ["q0", "q1", "q2", "q3", "q4", "q5"]}
+STATE = {"collections": [{"collection": c, "mean_pass_rate": 0.4 + c / 10} for c in range(3)],
+         "anchor_keys_all": ["q0", "q1", "q2", "q3", "q4", "q5"],
+         "dev_curve": [{"round": 2, "dev_nll": 1.5}]}
 
 
 def _attempt():
-    """A resumed attempt's report before the restore: it has read the first collection again."""
-    r = TrainReport()
+    """A resumed attempt's record before the restore: it has read the first collection again."""
+    r = RunRecord()
     r.add_collection({"collection": 0, "mean_pass_rate": 0.4}, ["q0", "q1"])
     return r
 
 
 def test_the_collections_before_the_one_made_again_are_restored():
     r = _attempt()
-    restore_collections(r, META, 2)          # resumed after round 5, recollect_every 2: collection 2 again
+    r.load_state_dict(STATE, before_collection=2)   # resumed after round 5, recollect_every 2: collection 2 again
     assert [c["collection"] for c in r.collections] == [0, 1]
-    assert r.anchor_keys_all == META["anchor_keys_all"] and r.anchor_keys == META["anchor_keys_all"]
+    assert r.anchor_keys_all == STATE["anchor_keys_all"] and r.dev_curve == STATE["dev_curve"]
     r.add_collection({"collection": 2, "mean_pass_rate": 0.6}, ["q4", "q5"])   # made again: no duplicate keys
-    assert [c["collection"] for c in r.collections] == [0, 1, 2] and r.anchor_keys_all == META["anchor_keys_all"]
+    assert [c["collection"] for c in r.collections] == [0, 1, 2] and r.anchor_keys_all == STATE["anchor_keys_all"]
+    report = TrainReport()
+    r.fill(report)                                   # the report copies the record: an output only
+    assert report.anchor_keys == report.anchor_keys_all == STATE["anchor_keys_all"]
+    assert [c["collection"] for c in report.collections] == [0, 1, 2]
 
 
 def test_no_collection_made_again_keeps_every_one():
     """Resumed before the first re-collection, or after the last round: nothing is collected again."""
     r = _attempt()
-    restore_collections(r, {"collections": META["collections"][:1], "anchor_keys_all": ["q0", "q1"]}, None)
+    r.load_state_dict(dict(STATE, collections=STATE["collections"][:1], anchor_keys_all=["q0", "q1"]))
     assert [c["collection"] for c in r.collections] == [0]
     r = _attempt()
-    restore_collections(r, META, None)
+    r.load_state_dict(STATE)
     assert [c["collection"] for c in r.collections] == [0, 1, 2]
+    again = RunRecord()
+    again.load_state_dict(r.state_dict())            # the round trip a checkpoint makes
+    assert again == r
 
 
-def test_an_empty_record_leaves_the_report_as_it_is():
+def test_an_empty_record_leaves_the_attempts_own():
     """A checkpoint of a run that has collected nothing yet (its record is being made)."""
     r = _attempt()
-    restore_collections(r, {"collections": [], "anchor_keys_all": []}, 1)
+    r.load_state_dict({"collections": [], "anchor_keys_all": [], "dev_curve": []}, before_collection=1)
     assert [c["collection"] for c in r.collections] == [0] and r.anchor_keys_all == ["q0", "q1"]
+    report = TrainReport()
+    r.fill(report)
+    assert not report.is_set("dev_curve")            # no dev split: the field stays absent
 
 
 def test_the_optimizer_goes_through_its_state_dict_and_keeps_the_current_learning_rate():

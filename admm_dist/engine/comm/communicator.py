@@ -69,10 +69,6 @@ class Hop(NamedTuple):
 Arrived = Callable[[Hop, int, int, torch.Tensor], None]
 
 
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class Communicator(abc.ABC):
     """Exchanges flat vectors between the N nodes of one ADMM problem; the subclasses are the
     transports (:class:`~.local.LocalCommunicator`, :class:`~.process_group.ProcessGroupCommunicator`)."""
@@ -155,12 +151,13 @@ class Communicator(abc.ABC):
         """Move every hop that touches this process; returns, per hop that arrived at one of its
         nodes, the tensor holding the payload, keyed (src, dst): the sender's own tensor for a
         hop within this process (no copy), ``into`` for one from another rank. ``arrived`` sees
-        each piece as it lands (a hop within this process in one piece, at once)."""
+        each piece as it lands (a hop within this process in one piece, at once); a receiver
+        that works piece by piece is sent large payloads in pieces."""
         got: Dict[Tuple[int, int], torch.Tensor] = {}
         remote = []
         for hop in hops:
             if self.mine(hop.src) and self.mine(hop.dst):
-                self._meter_copy(hop.src, hop.dst, nbytes(hop.data))
+                self._meter_copy(hop.src, hop.dst, hop.data.nbytes)
                 got[(hop.src, hop.dst)] = hop.data
                 if arrived is not None:
                     arrived(hop, 0, hop.data.numel(), hop.data)
@@ -278,14 +275,15 @@ class Communicator(abc.ABC):
         for node in self.nodes:   # node i now holds chunk i + 1 summed over every node
             lo, hi = bounds[(node + 1) % n]
             here[node][lo:hi].div_(n)
-        # All-gather, step s: node i hands chunk i + 1 - s to node i + 1, which takes it as is.
+        # All-gather, step s: node i hands chunk i + 1 - s to node i + 1, which takes it as is
+        # (received in place from another rank, copied within this process).
         for s in range(n - 1):
-            def take(hop: Hop, a: int, b: int, piece: torch.Tensor, s=s) -> None:
-                if self.mine(hop.src):   # within this process: copy; from a rank: received in place
-                    lo = bounds[(hop.src + 1 - s) % n][0]
-                    here[hop.dst][lo + a:lo + b].copy_(piece)
-            self.exchange(step(lambda i, s=s: i + 1 - s, lambda dst, lo, hi: here[dst][lo:hi]),
-                          f"ring all-gather step {s}", take)
+            hops = step(lambda i, s=s: i + 1 - s, lambda dst, lo, hi: here[dst][lo:hi])
+            got = self.exchange(hops, f"ring all-gather step {s}")
+            for hop in hops:
+                if self.mine(hop.src) and self.mine(hop.dst):
+                    lo, hi = bounds[(hop.src + 1 - s) % n]
+                    here[hop.dst][lo:hi].copy_(got[(hop.src, hop.dst)])
 
     def _mix(self, vs: Sequence[torch.Tensor]) -> None:
         """``gossip_steps`` neighbour-mixing steps (one, for ``decentralized``)."""

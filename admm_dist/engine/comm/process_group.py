@@ -4,7 +4,8 @@ Rank r owns the nodes ``blocks(N, W)[r]`` (:mod:`admm_dist.engine.placement`), o
 As the transport of :mod:`~admm_dist.engine.comm.communicator`: a hop between ranks is an
 ``isend``/``irecv`` pair, metered as ``consensus`` when posted, with the buffer's exact size; the
 sum over ranks is one ``all_reduce`` (metered by the ring convention). A payload above
-:attr:`~ProcessGroupCommunicator.segment_bytes` travels in pieces, each used as it lands (the
+:attr:`~ProcessGroupCommunicator.segment_bytes` whose receiver works piece by piece travels in
+pieces, each used as it lands (the
 ring's additions overlap the transfer: 1.11x -> 1.05-1.08x of gloo's all_reduce at N = 4, 90 MiB,
 docs/benchmarks.md). Every wait is bounded by the timeout: a dead or diverged peer raises
 :class:`~.communicator.CommError` naming the step. Both sides post the messages between two
@@ -18,15 +19,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from admm_dist.engine.comm.communicator import Arrived, CommError, Communicator, Hop, first_line, nbytes, wait_all
+from admm_dist.engine.comm.communicator import Arrived, CommError, Communicator, Hop, first_line, wait_all
 from admm_dist.engine.comm.meter import CONSENSUS
 from admm_dist.engine.placement import blocks, owners
 
 
 def _pieces(numel: int, itemsize: int, limit: int) -> List[Tuple[int, int]]:
-    """[(a, b)]: ``numel`` items cut into near-equal pieces of at most ``limit`` bytes."""
+    """[(a, b)]: ``numel`` items cut into near-equal pieces of at most ``limit`` bytes (0: whole)."""
     most = max(1, limit // itemsize)
-    if numel <= most:
+    if limit <= 0 or numel <= most:
         return [(0, numel)]
     k = -(-numel // most)
     step = -(-numel // k)
@@ -69,18 +70,19 @@ class ProcessGroupCommunicator(Communicator):
     def _send_recv(self, hops: Sequence[Hop], what: str, got: Dict[Tuple[int, int], torch.Tensor],
                    arrived: Optional[Arrived]) -> None:
         ops, landed = [], []
+        limit = self.segment_bytes if arrived is not None else 0   # pieces only for a receiver that uses them
         for hop in hops:   # receives first, so every landing buffer is posted before data flows
             if self.mine(hop.dst):
                 got[(hop.src, hop.dst)] = hop.into
-                self.meter.add(hop.dst, "irecv", recv=nbytes(hop.into), phase=CONSENSUS)
-                for a, b in _pieces(hop.into.numel(), hop.into.element_size(), self.segment_bytes):
+                self.meter.add(hop.dst, "irecv", recv=hop.into.nbytes, phase=CONSENSUS)
+                for a, b in _pieces(hop.into.numel(), hop.into.element_size(), limit):
                     ops.append(dist.P2POp(dist.irecv, hop.into[a:b], self._peer(hop.src), self.group,
                                           hop.src * self.n_nodes + hop.dst))
                     landed.append((hop, a, b))
         for hop in hops:
             if self.mine(hop.src):
-                self.meter.add(hop.src, "isend", sent=nbytes(hop.data), phase=CONSENSUS)
-                for a, b in _pieces(hop.data.numel(), hop.data.element_size(), self.segment_bytes):
+                self.meter.add(hop.src, "isend", sent=hop.data.nbytes, phase=CONSENSUS)
+                for a, b in _pieces(hop.data.numel(), hop.data.element_size(), limit):
                     ops.append(dist.P2POp(dist.isend, hop.data[a:b], self._peer(hop.dst), self.group,
                                           hop.src * self.n_nodes + hop.dst))
         try:
