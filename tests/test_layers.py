@@ -17,6 +17,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 LAYERS = ("core", "engine", "model", "tasks", "data", "mas", "training", "testing", "plots", "cli", "bench")
 TOP_LEVEL = {"__init__", "train", "evaluate", "plot"}      # the face and the entry-point shims
 MAX_LINES = 450
+COMM_MAX_LINES = 950   # admm_dist/engine/comm/ in all: each algorithm once, two transports
 
 
 def modules() -> Dict[str, str]:
@@ -164,6 +165,29 @@ def test_only_the_plots_layer_imports_matplotlib():
             if any(n.split(".")[0] == "matplotlib" for n in names):
                 users.append(mod)
     assert users and all(m.startswith("admm_dist.plots.") for m in users), users
+
+
+def test_one_communication_layer_with_two_transports():
+    """Each consensus algorithm is written once (engine/comm/communicator.py); the layer stays
+    small, with two concrete communicators: one in-process, one over a process group."""
+    comm = {m: p for m, p in modules().items() if m.startswith("admm_dist.engine.comm")}
+    lines = sum(sum(1 for _ in open(p, encoding="utf-8")) for p in comm.values())
+    assert lines <= COMM_MAX_LINES, lines
+    classes = sorted(node.name for p in comm.values() for node in ast.walk(ast.parse(open(p, encoding="utf-8").read()))
+                     if isinstance(node, ast.ClassDef) and node.name.endswith("Communicator"))
+    assert classes == ["Communicator", "LocalCommunicator", "ProcessGroupCommunicator"], classes
+
+
+def test_agreement_never_rides_the_consensus_path():
+    """training/ and the preemption agreement ask engine/control.py, never the communicator's
+    gather_rows (or any other communicator call that moves rows)."""
+    users = []
+    for mod, path in modules().items():
+        if mod.startswith("admm_dist.training.") or mod == "admm_dist.engine.preemption":
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if isinstance(node, ast.Attribute) and node.attr in ("gather_rows", "exchange", "consensus_"):
+                    users.append(f"{mod}: .{node.attr}")
+    assert users == []
 
 
 def test_every_package_says_what_it_owns():

@@ -52,6 +52,7 @@ class ProcessGroupCommunicator(Communicator):
         super().__init__(mode=mode, n_nodes=n_nodes, nodes=self.blocks[self.rank], topology=topology,
                          gossip_steps=gossip_steps, meter=meter, compress=compress)
         self.timeout = timeout
+        self.nccl = dist.get_backend(group) == "nccl"
 
     def rank_blocks(self) -> List[range]:
         return list(self.blocks)
@@ -76,17 +77,16 @@ class ProcessGroupCommunicator(Communicator):
                 got[(hop.src, hop.dst)] = hop.into
                 self.meter.add(hop.dst, "irecv", recv=hop.into.nbytes, phase=CONSENSUS)
                 for a, b in _pieces(hop.into.numel(), hop.into.element_size(), limit):
-                    ops.append(dist.P2POp(dist.irecv, hop.into[a:b], self._peer(hop.src), self.group,
-                                          hop.src * self.n_nodes + hop.dst))
+                    ops.append((dist.irecv, hop.into[a:b], self._peer(hop.src), hop.src * self.n_nodes + hop.dst))
                     landed.append((hop, a, b))
         for hop in hops:
             if self.mine(hop.src):
                 self.meter.add(hop.src, "isend", sent=hop.data.nbytes, phase=CONSENSUS)
                 for a, b in _pieces(hop.data.numel(), hop.data.element_size(), limit):
-                    ops.append(dist.P2POp(dist.isend, hop.data[a:b], self._peer(hop.dst), self.group,
-                                          hop.src * self.n_nodes + hop.dst))
-        try:
-            works = dist.batch_isend_irecv(ops)
+                    ops.append((dist.isend, hop.data[a:b], self._peer(hop.dst), hop.src * self.n_nodes + hop.dst))
+        try:   # NCCL needs the batch (one group call); gloo posts each op itself, ~75 us sooner per batch
+            works = (dist.batch_isend_irecv([dist.P2POp(*op[:3], self.group, op[3]) for op in ops]) if self.nccl
+                     else [fn(t, peer, self.group, tag) for fn, t, peer, tag in ops])
         except Exception as e:  # a peer that died is reported when the next message is posted
             raise CommError(f"rank {self.rank}: posting the messages of {what} failed ({first_line(e)})") from e
         if len(works) != len(ops):   # coalesced (NCCL): one handle for the whole batch
