@@ -190,8 +190,7 @@ class Trainer:
         f = self.collections.fitset(collection, states, model=self.model, tokenizer=self.tokenizer,
                                     adapter=self.adapter)
         record_collection(self.cfg, f, collection, record=self.record, report=self.report, tracker=self.tracker,
-                          talk=self.talk,
-                          rank=self.rank)
+                          talk=self.talk, rank=self.rank)
         if collection == 0:
             self.fit_digest = fs.content_key(f)
         return f
