@@ -152,6 +152,7 @@ def test_round_record_fields_and_state_roundtrip():
                        ADMMConfig(rho=1.0), [torch.zeros(8)] * 3)
     other.load_state_dict(state)
     assert other.round == 4
+    assert [r.as_dict() for r in other.history] == [r.as_dict() for r in engine.history]   # the history too
     step = prob.exact_xstep()
     engine.step(step)
     other.step(step)
