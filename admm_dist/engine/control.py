@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from admm_dist.engine.comm.communicator import wait_all
+from admm_dist.engine.comm.process_group import gather_blocks
 
 if TYPE_CHECKING:
     from admm_dist.engine.dist import DistContext
@@ -96,13 +97,7 @@ class GroupControl(Control):
         return [int(v) for v in t.tolist()]
 
     def _table(self, rows: torch.Tensor) -> torch.Tensor:
-        widest = max(len(b) for b in self.blocks)
-        padded = torch.zeros(widest, rows.shape[1], dtype=rows.dtype)
-        padded[:rows.shape[0]] = rows
-        out = [torch.empty_like(padded) for _ in self.blocks]
-        wait_all([dist.all_gather(out, padded, group=self.group, async_op=True)], self.timeout,
-                 "gathering a control table", self.rank)
-        return torch.cat([out[r][:len(b)] for r, b in enumerate(self.blocks)], 0)
+        return gather_blocks(rows, self.blocks, self.group, self.timeout, "gathering a control table")
 
 
 def control_for(ctx: "DistContext", blocks: Sequence[range]) -> Control:

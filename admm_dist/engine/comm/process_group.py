@@ -5,11 +5,9 @@ As the transport of :mod:`~admm_dist.engine.comm.communicator`: a hop between ra
 ``isend``/``irecv`` pair, metered as ``consensus`` when posted, with the buffer's exact size; the
 sum over ranks is one ``all_reduce`` (metered by the ring convention). A payload above
 :attr:`~ProcessGroupCommunicator.segment_bytes` whose receiver works piece by piece travels in
-pieces, each used as it lands (the
-ring's additions overlap the transfer: 1.11x -> 1.05-1.08x of gloo's all_reduce at N = 4, 90 MiB,
-docs/benchmarks.md). Every wait is bounded by the timeout: a dead or diverged peer raises
-:class:`~.communicator.CommError` naming the step. Both sides post the messages between two
-ranks in one order (receives, then sends, by (src, dst)), tagged by the pair of nodes.
+pieces, each used as it lands (the ring's additions overlap the transfer: docs/benchmarks.md).
+Every wait is bounded: a dead or diverged peer raises a CommError naming the step. Both sides
+post receives, then sends, by (src, dst), tagged by the pair of nodes.
 """
 from __future__ import annotations
 
@@ -32,6 +30,15 @@ def _pieces(numel: int, itemsize: int, limit: int) -> List[Tuple[int, int]]:
     k = -(-numel // most)
     step = -(-numel // k)
     return [(a, min(a + step, numel)) for a in range(0, numel, step)]
+
+
+def gather_blocks(rows: torch.Tensor, blocks: Sequence[range], group, timeout, what: str) -> torch.Tensor:
+    """This rank's rows (one per node of its block) -> every node's, in node order, on every rank."""
+    padded = rows.new_zeros(max(len(b) for b in blocks), rows.shape[1])
+    padded[:rows.shape[0]] = rows
+    out = [torch.empty_like(padded) for _ in blocks]
+    wait_all([dist.all_gather(out, padded, group=group, async_op=True)], timeout, what, dist.get_rank(group))
+    return torch.cat([out[r][:len(b)] for r, b in enumerate(blocks)], 0)
 
 
 class ProcessGroupCommunicator(Communicator):
@@ -106,16 +113,9 @@ class ProcessGroupCommunicator(Communicator):
         if rows.dim() != 2 or rows.shape[0] != len(self.nodes):
             raise ValueError(f"gather_rows expects [{len(self.nodes)}, k] rows on rank {self.rank}, "
                              f"got {tuple(rows.shape)}")
-        home = rows.device
-        if home.type == "cpu" and dist.get_backend(self.group) == "nccl":
-            rows = rows.to(torch.device("cuda", torch.cuda.current_device()))   # NCCL moves GPU tensors only
-        widest = max(len(b) for b in self.blocks)
-        padded = torch.zeros(widest, rows.shape[1], dtype=rows.dtype, device=rows.device)
-        padded[:rows.shape[0]] = rows
-        out = [torch.empty_like(padded) for _ in range(self.world)]
+        moved = rows.cuda() if rows.device.type == "cpu" and self.nccl else rows   # NCCL moves GPU tensors only
         self._meter_gather(rows.shape[1] * rows.element_size())
-        self._wait([dist.all_gather(out, padded, group=self.group, async_op=True)], "all_gather of telemetry")
-        return torch.cat([out[r][:len(b)] for r, b in enumerate(self.blocks)], 0).to(home)
+        return gather_blocks(moved, self.blocks, self.group, self.timeout, "all_gather of telemetry").to(rows.device)
 
     def barrier(self) -> None:
         self._wait([dist.barrier(group=self.group, async_op=True)], "barrier")
