@@ -140,9 +140,8 @@ def _foreign_differences(root: str, fingerprint: str, identity: Mapping[str, Any
     return ""
 
 
-def agreed_round(cfg: TrainConfig, control: "Control", nodes: Sequence[int], rank: int,
-                 fingerprint: str, identity: Mapping[str, Any],
-                 talk: Callable[[str], None] = lambda m: None) -> int:
+def agreed_round(cfg: TrainConfig, control: "Control", nodes: Sequence[int], fingerprint: str,
+                 identity: Mapping[str, Any], talk: Callable[[str], None] = lambda m: None) -> int:
     """The last round every rank completed under this run's fingerprint (0: none)."""
     root = ckpt.ckpt_root(cfg.out)
     for k in ckpt.all_rounds(root):    # temporaries of a killed write: never read, removed now

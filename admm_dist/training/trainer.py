@@ -388,7 +388,7 @@ class Trainer:
                           keep=self.cfg.keep_checkpoints, faults=self.faults)
 
     def try_resume(self) -> None:
-        agreed = resume.agreed_round(self.cfg, self.control, self.nodes, self.rank, self.fingerprint, self.identity,
+        agreed = resume.agreed_round(self.cfg, self.control, self.nodes, self.fingerprint, self.identity,
                                      talk=self.talk)
         if agreed == 0:
             self.talk("resume auto: no complete checkpoint on every rank; starting from round 0")
