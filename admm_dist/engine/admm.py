@@ -19,7 +19,7 @@ exchange, fed x_i rather than x_i + u_i) and the scaled dual u_i = alpha_i / rho
 moves by exactly x_i - z_i. One exchange of x per round serves the next x-step's centre and the
 dual, and the fixed point is the exact consensus optimum on any connected graph (sum_i alpha_i
 stays 0). c = rho / (2 * mean degree): see
-:meth:`~admm_dist.engine.comm.communicator.Communicator.penalty_scale`.
+:func:`penalty_scale`.
 
 Ablations: ``local_only`` (no coupling: rho = 0, no z/u exchange, z_i := x_i),
 ``no_dual`` (u_i stays 0). Pooled training is simply N = 1.
@@ -56,6 +56,19 @@ XStep = Callable[[int, torch.Tensor, Optional[torch.Tensor], float], float]
 
 ROW_FIELDS = ("f", "primal", "z_norm", "dual", "x_norm", "bytes_sent", "bytes_recv",
               "bytes_in_process", "sec_x", "sec_z", "sec_other")
+
+
+def penalty_scale(comm: Communicator, node: int) -> float:
+    """rho_i / rho for ``node``'s x-step: 1, but d_i / mean degree under ``decentralized``.
+
+    Node-based decentralized ADMM (Shi et al. 2014) has one constant c and gives node i the
+    proximal weight 2 c d_i; c = rho / (2 * mean degree) makes the mean weight rho, so a
+    setting of rho couples as strongly as in the other modes (exactly rho on every node of
+    a regular graph: ring, complete, expander for a power of two)."""
+    if comm.mode != DECENTRALIZED or comm.n_nodes == 1:
+        return 1.0
+    mean_degree = sum(len(n) for n in comm.neighbours) / comm.n_nodes
+    return len(comm.neighbours[node]) / mean_degree
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,7 +143,7 @@ class ADMMEngine:
         self.u = [torch.zeros_like(v) for v in self.x]
         self.round = 0
         self._rho = float(config.rho)
-        self._scale = [comm.penalty_scale(node) for node in self.nodes]   # rho_i / rho
+        self._scale = [penalty_scale(comm, node) for node in self.nodes]   # rho_i / rho
         self._decentralized = comm.mode == DECENTRALIZED and comm.n_nodes > 1
         self.history: List[RoundRecord] = []
         self._prev = [torch.empty_like(v) for v in self.x]

@@ -249,14 +249,15 @@ def test_decentralized_couples_as_strongly_as_rho_and_exchanges_once():
     regular graph); its mixing row is 1/2 for itself and 1/(2 d_i) per neighbour; gossip_steps
     other than 1 is refused, naming the fix."""
     from admm_dist.core.errors import UserError
+    from admm_dist.engine.admm import penalty_scale
 
     ring = LocalCommunicator(mode="decentralized", n_nodes=4, topology="ring")
-    assert [ring.penalty_scale(i) for i in range(4)] == [1.0] * 4
+    assert [penalty_scale(ring, i) for i in range(4)] == [1.0] * 4
     chain = LocalCommunicator(mode="decentralized", n_nodes=4, topology="chain")   # degrees 1, 2, 2, 1
-    assert [chain.penalty_scale(i) for i in range(4)] == [1 / 1.5, 2 / 1.5, 2 / 1.5, 1 / 1.5]
+    assert [penalty_scale(chain, i) for i in range(4)] == [1 / 1.5, 2 / 1.5, 2 / 1.5, 1 / 1.5]
     assert chain.weights[0] == {0: 0.5, 1: 0.5} and chain.weights[1] == {0: 0.25, 1: 0.5, 2: 0.25}
     assert not chain.exact and chain.analytic_bytes(10, 1) == 2 * 10 * 4
-    assert LocalCommunicator(mode="gossip", n_nodes=4, topology="chain").penalty_scale(0) == 1.0
+    assert penalty_scale(LocalCommunicator(mode="gossip", n_nodes=4, topology="chain"), 0) == 1.0
     with pytest.raises(UserError, match="gossip_steps is for consensus gossip"):
         LocalCommunicator(mode="decentralized", n_nodes=4, gossip_steps=2)
 

@@ -30,7 +30,7 @@ def _all_modes(ctx, p):
         v = _vec(ctx.rank, p)
         comm.consensus_([v])
         c = comm.meter.total(node=ctx.rank)
-        out[(mode, topo, tau)] = (v, c.sent, c.recv, comm.degree(ctx.rank))
+        out[(mode, topo, tau)] = (v, c.sent, c.recv, len(comm.neighbours[ctx.rank]))
         comm.close()
     return out
 
@@ -180,6 +180,34 @@ def test_segmented_ring_is_bit_identical_and_metered_exactly(n):
         assert torch.equal(v, vs[r])
         assert sent == ring_bytes_per_rank(P_ODD, n, r)
         assert recv == ring_bytes_per_rank(P_ODD, n, (r - 1) % n)
+
+
+def _relayed_blocks(ctx, p, seg):
+    from admm_dist.engine.comm import ProcessGroupCommunicator
+
+    ProcessGroupCommunicator.segment_bytes = 4 * seg   # many pieces per hop, relayed through blocks
+    comm = make_communicator("ring", n_nodes=5, timeout=ctx.timeout)
+    vs = [_vec(node, p) for node in comm.nodes]
+    comm.consensus_(vs)
+    wire, memory = comm.meter.total(phase="consensus").sent, comm.meter.total(phase="in_process").sent
+    return list(comm.nodes), vs, wire, memory
+
+
+def test_the_ring_relays_pieces_through_blocks_bit_identically():
+    """5 nodes on 2 ranks (blocks 0-2 and 3-4): each piece added at a node of one rank is handed on
+    in memory or on the wire as soon as it is ready; the result is the oracle's, bit for bit, and
+    every hop is counted once, on the wire or in memory."""
+    res = launch_cpu(_relayed_blocks, 2, P_ODD, 50, timeout_s=60)
+    oracle = [_vec(node, P_ODD) for node in range(5)]
+    LocalCommunicator(mode="ring", n_nodes=5).consensus_(oracle)
+    assert [res[r][0] for r in range(2)] == [[0, 1, 2], [3, 4]]
+    for r in range(2):
+        for node, v in zip(res[r][0], res[r][1]):
+            assert torch.equal(v, oracle[node])
+    # the hops 2 -> 3 and 4 -> 0 cross ranks; the other three of each of the 8 steps stay in memory
+    total = sum(ring_bytes_per_rank(P_ODD, 5, node) for node in range(5))
+    assert sum(res[r][2] + res[r][3] for r in range(2)) == total
+    assert 0 < res[0][2] < total and 0 < res[1][3] < total
 
 
 def _die_at_once_or_report(ctx, p, where):

@@ -1,25 +1,25 @@
 """The communicator the ADMM engine talks to: every consensus algorithm, written once.
 
 A communicator owns a set of *nodes* (training seats): a block of them per rank under torchrun,
-all of them in one process otherwise. The engine hands it one flat vector per node it owns and
-never sees ranks. ``consensus_`` replaces each v_i in place: ``coordinator`` by the exact mean
-(each process sums its nodes in node order, one sum over the ranks, then / N); ``ring`` by the
-exact mean as a chunked ring all-reduce (chunk c starts at node c, each partial sum is ``own +
-incoming``); ``gossip`` by ``tau`` Metropolis mixing steps; ``decentralized`` by one step of
-v_i <- (v_i + mean_{j in N_i} v_j) / 2 (the engine feeds it x: :mod:`admm_dist.engine.admm`);
-with ``compress``, by their compressed variants (:mod:`~.compressed`).
+all of them in one process otherwise; the engine hands it one flat vector per node and never
+sees ranks. ``consensus_`` replaces each v_i in place: ``coordinator`` by the exact mean (each
+process sums its nodes in node order, one sum over the ranks, then / N); ``ring`` by the exact
+mean as a chunked ring all-reduce; ``gossip`` by ``tau`` Metropolis mixing steps;
+``decentralized`` by one step of v_i <- (v_i + mean_{j in N_i} v_j) / 2 (fed x:
+:mod:`admm_dist.engine.admm`); with ``compress``, by their compressed variants (:mod:`~.compressed`).
 
-Each algorithm is one schedule of node-to-node messages (:class:`Hop`) over all N nodes. The
-transport, :meth:`Communicator.exchange`, moves the hops that touch this process: in memory
-between two of its nodes, ``send``/``recv`` between ranks. The single-process oracle runs the same
-code with every node in one block, so a node's result does not depend on where it lives, bit for
-bit (but the coordinator's sum over ranks, whose order is the backend's). Bytes are counted once,
-in the transport: ``consensus`` on the wire, ``in_process`` copied in memory (the oracle counts
-every hop as the wire bytes of an N-rank run).
+Each algorithm is a schedule of node-to-node messages (:class:`Hop`) over all N nodes. The
+transport (:meth:`Communicator.relay`, :meth:`Communicator.exchange`) moves the hops that touch
+this process: in memory between two of its nodes, ``isend``/``irecv`` between ranks. So the
+single-process oracle runs the same code as every placement, bit for bit (but the coordinator's
+sum over ranks, whose order is the backend's). Bytes are counted once, in the transport:
+``consensus`` on the wire, ``in_process`` copied in memory (the oracle counts every hop as the
+wire bytes of an N-rank run).
 """
 from __future__ import annotations
 
 import abc
+import itertools
 import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -28,7 +28,7 @@ import torch
 from admm_dist.core.errors import RunError, UserError
 from admm_dist.engine.comm import compressed
 from admm_dist.engine.comm.compress import check_compress
-from admm_dist.engine.comm.meter import IN_PROCESS, TELEMETRY, ByteMeter, chunk_bounds, ring_bytes_per_rank
+from admm_dist.engine.comm.meter import CONSENSUS, IN_PROCESS, TELEMETRY, ByteMeter, chunk_bounds, ring_bytes_per_rank
 from admm_dist.engine.comm.topology import (DECENTRALIZED, MIXING, check_mode, half_mean_weights,
                                              metropolis_weights, neighbours)
 
@@ -57,6 +57,11 @@ def wait_all(works: Sequence, timeout, what: str, rank: int) -> None:
         raise CommError(f"rank {rank}: {what} {how} ({first_line(e)})") from e
 
 
+def pieces(numel: int, k: int) -> List[Tuple[int, int]]:
+    """[(a, b)]: ``numel`` items cut into ``k`` near-equal pieces."""
+    return [(p * numel // k, (p + 1) * numel // k) for p in range(k)]
+
+
 class Hop(NamedTuple):
     """One message of a schedule: node ``src`` hands ``data`` to node ``dst``."""
     src: int
@@ -65,61 +70,45 @@ class Hop(NamedTuple):
     into: Optional[torch.Tensor]   # where it lands, where ``dst`` lives and ``src`` does not
 
 
-# called for each piece [a, b) of a hop's payload as it arrives at one of this process's nodes
-Arrived = Callable[[Hop, int, int, torch.Tensor], None]
+Arrived = Callable[[Hop, int, int, torch.Tensor], None]   # (hop, a, b, piece): Communicator.relay
 
 
 class Communicator(abc.ABC):
     """Exchanges flat vectors between the N nodes of one ADMM problem; the subclasses are the
     transports (:class:`~.local.LocalCommunicator`, :class:`~.process_group.ProcessGroupCommunicator`)."""
 
-    def __init__(self, *, mode: str, n_nodes: int, nodes: Sequence[int], topology: str = "ring",
+    def __init__(self, *, mode: str, n_nodes: int, blocks: Sequence[range], rank: int, topology: str = "ring",
                  gossip_steps: int = 1, meter: Optional[ByteMeter] = None, compress: str = "none") -> None:
         check_mode(mode, topology, gossip_steps)
         if n_nodes < 1:
             raise UserError(f"n_nodes={n_nodes}: a consensus problem needs at least one node")
         self.compress = check_compress(compress)
-        # per node: the public copies of compressed consensus (admm_dist.engine.comm.compressed)
-        self.compress_state: Dict[int, Dict[str, torch.Tensor]] = {}
+        self.compress_state: Dict[int, Dict[str, torch.Tensor]] = {}   # per node: compressed.py's public copies
         self.mode = mode
         self.n_nodes = int(n_nodes)
-        self.nodes: Tuple[int, ...] = tuple(nodes)
+        self.blocks, self.rank = list(blocks), rank   # the nodes of each rank, in rank order; this rank
+        self.owner = [r for r, block in enumerate(self.blocks) for _ in block]   # the rank of each node
+        self.nodes: Tuple[int, ...] = tuple(self.blocks[rank])
         self.topology = topology
         self.gossip_steps = int(gossip_steps)
         self.meter = meter if meter is not None else ByteMeter()
         self.neighbours: List[List[int]] = neighbours(topology, self.n_nodes)
-        self.weights = (half_mean_weights(self.neighbours) if mode == DECENTRALIZED
-                        else metropolis_weights(self.neighbours))
+        self.weights = (half_mean_weights if mode == DECENTRALIZED else metropolis_weights)(self.neighbours)
         self._scratch: Dict[object, torch.Tensor] = {}
 
     # -- placement ------------------------------------------------------------------------
-    @abc.abstractmethod
     def rank_blocks(self) -> List[range]:
         """The nodes of each rank, in rank order."""
+        return list(self.blocks)
 
     def mine(self, node: int) -> bool:
         """Whether ``node`` lives in this process."""
-        return node in self.nodes
+        return self.owner[node] == self.rank
 
     @property
     def exact(self) -> bool:
         """True when consensus_ returns the exact mean (every z_i is one point z)."""
         return self.mode not in MIXING or self.n_nodes == 1
-
-    def degree(self, node: int) -> int:
-        return len(self.neighbours[node])
-
-    def penalty_scale(self, node: int) -> float:
-        """rho_i / rho for ``node``'s x-step: 1, but d_i / mean degree under ``decentralized``.
-
-        Node-based decentralized ADMM (Shi et al. 2014) has one constant c and gives node i the
-        proximal weight 2 c d_i; c = rho / (2 * mean degree) makes the mean weight rho, so a
-        setting of rho couples as strongly as in the other modes (exactly rho on every node of
-        a regular graph: ring, complete, expander for a power of two)."""
-        if self.mode != DECENTRALIZED or self.n_nodes == 1:
-            return 1.0
-        mean_degree = sum(len(n) for n in self.neighbours) / self.n_nodes
-        return self.degree(node) / mean_degree
 
     # -- bytes ------------------------------------------------------------------------------
     def analytic_bytes(self, numel: int, node: int, itemsize: int = 4) -> int:
@@ -129,7 +118,7 @@ class Communicator(abc.ABC):
         if self.compress != "none":
             return compressed.bytes_sent(self, numel, node)
         if self.mode in MIXING:
-            return self.gossip_steps * self.degree(node) * numel * itemsize
+            return self.gossip_steps * len(self.neighbours[node]) * numel * itemsize
         return ring_bytes_per_rank(numel, self.n_nodes, node, itemsize)
 
     def ring_convention(self, numel: int, node: int, itemsize: int = 4) -> dict:
@@ -146,26 +135,73 @@ class Communicator(abc.ABC):
         self.compress_state[node] = {k: t.detach().clone() for k, t in tensors.items()}
 
     # -- the transport --------------------------------------------------------------------
-    def exchange(self, hops: Sequence[Hop], what: str,
-                 arrived: Optional[Arrived] = None) -> Dict[Tuple[int, int], torch.Tensor]:
-        """Move every hop that touches this process; returns, per hop that arrived at one of its
-        nodes, the tensor holding the payload, keyed (src, dst): the sender's own tensor for a
-        hop within this process (no copy), ``into`` for one from another rank. ``arrived`` sees
-        each piece as it lands (a hop within this process in one piece, at once); a receiver
-        that works piece by piece is sent large payloads in pieces."""
-        got: Dict[Tuple[int, int], torch.Tensor] = {}
-        remote = []
-        for hop in hops:
-            if self.mine(hop.src) and self.mine(hop.dst):
-                self._meter_copy(hop.src, hop.dst, hop.data.nbytes)
-                got[(hop.src, hop.dst)] = hop.data
-                if arrived is not None:
-                    arrived(hop, 0, hop.data.numel(), hop.data)
-            elif self.mine(hop.src) or self.mine(hop.dst):
-                remote.append(hop)
-        if remote:
-            self._send_recv(sorted(remote, key=lambda h: (h.src, h.dst)), what, got, arrived)
-        return got
+    def exchange(self, hops: Sequence[Hop], what: str) -> Dict[Tuple[int, int], torch.Tensor]:
+        """Move the hops that touch this process (a relay of one step). Returns, per hop into one
+        of its nodes, keyed (src, dst), the sender's own tensor (no copy) or ``into``."""
+        self.relay([(hops, None)], what)
+        return {(h.src, h.dst): h.data if self.mine(h.src) else h.into for h in hops if self.mine(h.dst)}
+
+    def relay(self, steps: Sequence[Tuple[Sequence[Hop], Optional[Arrived]]], what: str) -> None:
+        """Run steps (hops, arrived) where piece p of what a node sends at step s + 1 is ready once
+        piece p of every hop into it at step s has been seen by ``arrived(hop, a, b, piece)``
+        (items [a, b) where it lands; in and out hops of a node have one length). Every receive
+        is posted up front and every piece moves the moment it is ready, so the ring's additions
+        overlap the wire as in gloo's own ring (docs/benchmarks.md). Waiting in (step, hop,
+        piece) order cannot deadlock: a piece depends only on earlier steps."""
+        n, k, last = self.n_nodes, self._cuts(steps), len(steps)
+        ends: Dict[Tuple[int, int], Tuple[List[Hop], List[Hop]]] = {}   # (step, node) -> (hops in, hops out)
+        for s, (hops, _) in enumerate(steps):
+            for hop in hops:
+                self._meter(hop)
+                for side, node in enumerate((hop.dst, hop.src)):
+                    if self.mine(node):
+                        ends.setdefault((s, node), ([], []))[side].append(hop)
+
+        def post(send: bool, t: torch.Tensor, node: int, s: int, hop: Hop, p: int):
+            return self._p2p(what, send, t, node, ((s * n + hop.src) * n + hop.dst) * k + p)
+
+        recvs = [(s, hop, p, a, b, post(False, hop.into[a:b], hop.src, s, hop, p))
+                 for s in range(last) for hop in sorted(steps[s][0], key=lambda h: (h.src, h.dst))
+                 if hop.into is not None for p, (a, b) in enumerate(pieces(hop.into.numel(), k))]
+        sends, waiting = [], {}
+
+        def ready(s: int, node: int, p: int) -> None:   # piece p of what ``node`` sends at step s is final
+            into, out = ends.get((s, node), ((), ())) if s < last else ((None,), ())
+            for hop in out:
+                a, b = pieces(hop.data.numel(), k)[p]
+                if self.mine(hop.dst):
+                    landed(s, hop, p, a, b, hop.data[a:b])
+                else:
+                    sends.append(post(True, hop.data[a:b], hop.dst, s, hop, p))
+            if not into:   # nothing arrives at this node in step s: ready for the next one
+                ready(s + 1, node, p)
+
+        def landed(s: int, hop: Hop, p: int, a: int, b: int, piece: torch.Tensor) -> None:
+            if steps[s][1] is not None:
+                steps[s][1](hop, a, b, piece)
+            key = (s, hop.dst, p)
+            waiting[key] = waiting.get(key, len(ends[(s, hop.dst)][0])) - 1
+            if waiting[key] == 0:
+                ready(s + 1, hop.dst, p)
+
+        for node, p in itertools.product(self.nodes, range(k)):
+            ready(0, node, p)
+        for s, hop, p, a, b, work in recvs:
+            self._wait([work], f"{what} step {s}" if last > 1 else what)
+            landed(s, hop, p, a, b, hop.into[a:b])
+        self._wait(sends, what)
+
+    def _cuts(self, steps) -> int:
+        """Pieces per hop in a relay: one, unless the transport's wire wants more."""
+        return 1
+
+    @abc.abstractmethod
+    def _p2p(self, what: str, send: bool, tensor: torch.Tensor, node: int, tag: int):
+        """Post an isend of ``tensor`` to (or an irecv into it from) the rank holding ``node``."""
+
+    @abc.abstractmethod
+    def _wait(self, works: Sequence, what: str) -> None:
+        """Wait for posted messages, each bounded in time."""
 
     def byte_hop(self, src: int, dst: int, payload: Optional[torch.Tensor], size: int, device) -> Hop:
         """A hop of ``size`` bytes (``uint8``), with a landing buffer where it comes from another rank."""
@@ -174,25 +210,38 @@ class Communicator(abc.ABC):
             into = torch.empty(size, dtype=torch.uint8, device=device)
         return Hop(src, dst, payload if self.mine(src) else None, into)
 
+    def _meter(self, hop: Hop) -> None:
+        """Count a hop where it touches this process: on the wire, or copied in memory (a hop
+        between two of its nodes)."""
+        if self.mine(hop.src) and self.mine(hop.dst):
+            self._meter_copy(hop.src, hop.dst, hop.data.nbytes)
+        elif self.mine(hop.src):
+            self.meter.add(hop.src, "isend", sent=hop.data.nbytes, phase=CONSENSUS)
+        elif self.mine(hop.dst):
+            self.meter.add(hop.dst, "irecv", recv=hop.into.nbytes, phase=CONSENSUS)
+
     def _meter_copy(self, src: int, dst: int, size: int) -> None:
-        """A hop between two nodes of this process: bytes copied in memory, not on any wire."""
         self.meter.add(src, "copy", sent=size, phase=IN_PROCESS)
         self.meter.add(dst, "copy", recv=size, phase=IN_PROCESS)
-
-    @abc.abstractmethod
-    def _send_recv(self, hops: Sequence[Hop], what: str, got: Dict[Tuple[int, int], torch.Tensor],
-                   arrived: Optional[Arrived]) -> None:
-        """The hops between this process and another, in (src, dst) order: send and receive them."""
 
     @abc.abstractmethod
     def _sum_ranks(self, total: torch.Tensor) -> None:
         """``total`` := its sum over every process (in place)."""
 
-    @abc.abstractmethod
     def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """[len(nodes), k] local rows -> [n_nodes, k] for every node, in node order: data that
         every rank needs (telemetry of the rounds, the collections' records), metered as
         ``telemetry``. Agreement between ranks does not come here (:mod:`admm_dist.engine.control`)."""
+        if rows.dim() != 2 or rows.shape[0] != len(self.nodes):
+            raise ValueError(f"gather_rows expects [{len(self.nodes)}, k] rows, got {tuple(rows.shape)}")
+        for node in self.nodes:
+            size = rows.shape[1] * rows.element_size() * (self.n_nodes - 1)
+            self.meter.add(node, "all_gather", sent=size, recv=size, phase=TELEMETRY)
+        return self._gather(rows)
+
+    @abc.abstractmethod
+    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows, in rank order."""
 
     def barrier(self) -> None:
         """Wait for every node (a no-op in one process)."""
@@ -200,11 +249,6 @@ class Communicator(abc.ABC):
     def close(self) -> None:
         """Release buffers; the process group itself belongs to :mod:`admm_dist.engine.dist`."""
         self._scratch.clear()
-
-    def _meter_gather(self, row_bytes: int) -> None:
-        for node in self.nodes:
-            self.meter.add(node, "all_gather", sent=row_bytes * (self.n_nodes - 1),
-                           recv=row_bytes * (self.n_nodes - 1), phase=TELEMETRY)
 
     def buffer(self, key: object, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A scratch tensor kept between calls (``numel`` items like ``like``)."""
@@ -248,42 +292,36 @@ class Communicator(abc.ABC):
                 v.copy_(total)
 
     def _ring(self, vs: Sequence[torch.Tensor]) -> None:
+        """Step s < n - 1 (reduce-scatter): node i hands chunk i - s to node i + 1, which adds it
+        to its own (own + incoming; at the last of these steps node i holds chunk i + 1 summed
+        and divides it by n). Step s >= n - 1 (all-gather): node i hands chunk i - s on as is.
+        Elementwise, piece by piece: the same bits whatever the pieces and the placement."""
         n = self.n_nodes
         bounds = chunk_bounds(vs[0].numel(), n)
         here = dict(zip(self.nodes, vs))
-        biggest = max(hi - lo for lo, hi in bounds)   # a node's inbox: one chunk from another rank
+        biggest = max(hi - lo for lo, hi in bounds)
 
-        def step(chunk: Callable[[int], int], landing: Callable[[int, int, int], torch.Tensor]) -> List[Hop]:
-            """Node i hands chunk ``chunk(i)`` to node i + 1 (the hops touching this process)."""
+        def step(s: int) -> Tuple[List[Hop], Arrived]:
             hops = []
-            for i in range(n):
-                dst = (i + 1) % n
-                if self.mine(i) or self.mine(dst):
-                    lo, hi = bounds[chunk(i) % n]
-                    hops.append(Hop(i, dst, here[i][lo:hi] if self.mine(i) else None,
-                                    landing(dst, lo, hi) if self.mine(dst) and not self.mine(i) else None))
-            return hops
+            for i in [i for i in range(n) if self.mine(i) or self.mine((i + 1) % n)]:
+                dst, (lo, hi) = (i + 1) % n, bounds[(i - s) % n]
+                into = None   # from another rank: an inbox per step (reduce-scatter), in place (all-gather)
+                if self.mine(dst) and not self.mine(i):
+                    into = self.buffer(("ring", dst, s), biggest, vs[0])[:hi - lo] if s < n - 1 else here[dst][lo:hi]
+                hops.append(Hop(i, dst, here[i][lo:hi] if self.mine(i) else None, into))
 
-        # Reduce-scatter, step s: node i hands chunk i - s to node i + 1, which adds it to its own,
-        # piece by piece as the pieces land (elementwise: the same bits, overlapped with the wire).
-        for s in range(n - 1):
-            def add(hop: Hop, a: int, b: int, piece: torch.Tensor, s=s) -> None:
+            def arrived(hop: Hop, a: int, b: int, piece: torch.Tensor) -> None:
                 lo = bounds[(hop.src - s) % n][0]
-                here[hop.dst][lo + a:lo + b].add_(piece)   # own + incoming
-            self.exchange(step(lambda i, s=s: i - s, lambda dst, lo, hi: self.buffer(("ring", dst), biggest, vs[0])[:hi - lo]),
-                          f"ring reduce-scatter step {s}", add)
-        for node in self.nodes:   # node i now holds chunk i + 1 summed over every node
-            lo, hi = bounds[(node + 1) % n]
-            here[node][lo:hi].div_(n)
-        # All-gather, step s: node i hands chunk i + 1 - s to node i + 1, which takes it as is
-        # (received in place from another rank, copied within this process).
-        for s in range(n - 1):
-            hops = step(lambda i, s=s: i + 1 - s, lambda dst, lo, hi: here[dst][lo:hi])
-            got = self.exchange(hops, f"ring all-gather step {s}")
-            for hop in hops:
-                if self.mine(hop.src) and self.mine(hop.dst):
-                    lo, hi = bounds[(hop.src + 1 - s) % n]
-                    here[hop.dst][lo:hi].copy_(got[(hop.src, hop.dst)])
+                mine = here[hop.dst][lo + a:lo + b]
+                if s < n - 1:
+                    mine.add_(piece)
+                    if s == n - 2:
+                        mine.div_(n)
+                elif hop.into is None:   # within this process (from another rank it landed in place)
+                    mine.copy_(piece)
+            return hops, arrived
+
+        self.relay([step(s) for s in range(2 * n - 2)], "ring")
 
     def _mix(self, vs: Sequence[torch.Tensor]) -> None:
         """``gossip_steps`` neighbour-mixing steps (one, for ``decentralized``)."""

@@ -50,10 +50,7 @@ def payload_bytes(numel: int, compress: str) -> int:
 def _blocked(v: torch.Tensor) -> torch.Tensor:
     """``v`` (fp32, 1-D) zero-padded to whole blocks, as [blocks, BLOCK]."""
     nb = n_blocks(v.numel())
-    pad = nb * BLOCK - v.numel()
-    if pad:
-        v = torch.cat([v, v.new_zeros(pad)])
-    return v.view(nb, BLOCK)
+    return torch.nn.functional.pad(v, (0, nb * BLOCK - v.numel())).view(nb, BLOCK)
 
 
 def encode(v: torch.Tensor, compress: str) -> torch.Tensor:
@@ -76,9 +73,6 @@ def decode_(out: torch.Tensor, payload: torch.Tensor, compress: str) -> torch.Te
     nb = n_blocks(p)
     scale = payload[:4 * nb].view(torch.float32)   # first, so the fp32 view is aligned
     codes = payload[4 * nb:4 * nb + p].view(torch.int8 if compress == "int8" else torch.float8_e4m3fn)
-    codes = codes.to(torch.float32)
-    pad = nb * BLOCK - p
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad)])
+    codes = torch.nn.functional.pad(codes.to(torch.float32), (0, nb * BLOCK - p))
     out.copy_((codes.view(nb, BLOCK) * scale[:, None]).reshape(-1)[:p])
     return out

@@ -63,7 +63,7 @@ def bytes_sent(comm: "Communicator", numel: int, node: int) -> int:
     """What ``node`` sends in one compressed consensus_ of ``numel`` values."""
     n, c = comm.n_nodes, comm.compress
     if comm.mode in MIXING:
-        return comm.gossip_steps * comm.degree(node) * payload_bytes(numel, c)
+        return comm.gossip_steps * len(comm.neighbours[node]) * payload_bytes(numel, c)
     sizes = [hi - lo for lo, hi in chunk_bounds(numel, n)]
     return sum(payload_bytes(s, c) for k, s in enumerate(sizes) if k != node) + (n - 1) * payload_bytes(sizes[node], c)
 

@@ -8,39 +8,30 @@ send and receive as one rank of an N-rank run (phase ``consensus``), not the cop
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
-
 import torch
 
-from admm_dist.engine.comm.communicator import Arrived, Communicator, Hop
+from admm_dist.engine.comm.communicator import Communicator
 from admm_dist.engine.comm.meter import CONSENSUS
 
 
 class LocalCommunicator(Communicator):
     def __init__(self, *, mode: str, n_nodes: int, topology: str = "ring",
                  gossip_steps: int = 1, meter=None, compress: str = "none") -> None:
-        super().__init__(mode=mode, n_nodes=n_nodes, nodes=range(n_nodes),
+        super().__init__(mode=mode, n_nodes=n_nodes, blocks=[range(n_nodes)], rank=0,
                          topology=topology, gossip_steps=gossip_steps, meter=meter, compress=compress)
-
-    def rank_blocks(self) -> List[range]:
-        return [range(self.n_nodes)]
-
-    def mine(self, node: int) -> bool:
-        return True
 
     def _meter_copy(self, src: int, dst: int, size: int) -> None:   # as an N-rank run sends it
         self.meter.add(src, "isend", sent=size, phase=CONSENSUS)
         self.meter.add(dst, "irecv", recv=size, phase=CONSENSUS)
 
-    def _send_recv(self, hops: Sequence[Hop], what: str, got: Dict[Tuple[int, int], torch.Tensor],
-                   arrived: Optional[Arrived]) -> None:
+    def _p2p(self, what: str, send: bool, tensor: torch.Tensor, node: int, tag: int):
         raise AssertionError(f"{what}: every node lives in this process")
+
+    def _wait(self, works, what: str) -> None:
+        """Nothing is ever posted."""
 
     def _sum_ranks(self, total: torch.Tensor) -> None:
         """One process: the sum is its own."""
 
-    def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        if rows.dim() != 2 or rows.shape[0] != self.n_nodes:
-            raise ValueError(f"gather_rows expects [{self.n_nodes}, k] rows, got {tuple(rows.shape)}")
-        self._meter_gather(rows.shape[1] * rows.element_size())
+    def _gather(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.clone()
