@@ -1,13 +1,21 @@
-"""Which rank owns which ADMM node: N nodes on W <= N ranks, in contiguous blocks.
+"""Which rank owns which ADMM node: N nodes on W ranks.
 
-Rank r owns nodes ``blocks(N, W)[r]``; the first ``N mod W`` ranks own one node more than the
-others, so block sizes differ by at most one. W = N is one node per rank, W = 1 is every node in
-one process. Placement never changes the numbers: every communicator computes each node's
-result with the single-process oracle's arithmetic in the oracle's order, so a node's x, z and
-u do not depend on where it lives (bit for bit for ring and gossip).
+W <= N: rank r owns nodes ``blocks(N, W)[r]``; the first ``N mod W`` ranks own one node more
+than the others, so block sizes differ by at most one. W = N is one node per rank, W = 1 is
+every node in one process.
+
+W = k x N: each node (seat) has a *seat group* of k ranks, contiguous (ranks s k .. s k + k - 1
+hold seat s), so a group is on one host whenever torchrun's ``nproc_per_node`` is a multiple of
+k. The group's first rank, its *leader*, takes part in the consensus among seats; the others
+compute their share of the seat's x-steps (:class:`Placement`).
+
+Placement never changes the numbers: every communicator computes each node's result with the
+single-process oracle's arithmetic in the oracle's order, so a node's x, z and u do not depend
+on where it lives (bit for bit for ring and gossip).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List
 
 from admm_dist.core.errors import UserError
@@ -33,3 +41,53 @@ def blocks(n_nodes: int, world: int) -> List[range]:
 def owners(n_nodes: int, world: int) -> List[int]:
     """The rank owning each node, in node order."""
     return [r for r, block in enumerate(blocks(n_nodes, world)) for _ in block]
+
+
+def valid_worlds(n_nodes: int, world: int) -> List[int]:
+    """The valid world sizes nearest ``world`` for ``n_nodes`` seats: at most N, or a multiple of N."""
+    below = n_nodes * (world // n_nodes) if world > n_nodes else world
+    return sorted({below, n_nodes * -(-world // n_nodes)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """N nodes on W ranks: blocks of nodes per rank (W <= N), or a seat group of k ranks per node
+    (W = k N); any other W is refused in one line that names the nearest valid ones."""
+    n_nodes: int
+    world: int
+
+    def __post_init__(self) -> None:
+        if self.world > self.n_nodes and self.world % self.n_nodes:
+            lo, hi = valid_worlds(self.n_nodes, self.world)
+            raise UserError(f"world size {self.world} for {self.n_nodes} seats: launch {lo} or {hi} ranks "
+                            f"(at most one rank per seat, or the same number k of ranks for every seat: "
+                            f"W = k x {self.n_nodes})")
+        blocks(self.n_nodes, min(self.world, self.n_nodes))   # W < 1 and N < 1 are refused there
+
+    @property
+    def k(self) -> int:
+        """Ranks per seat: 1 when W <= N."""
+        return max(1, self.world // self.n_nodes)
+
+    def rank_blocks(self) -> List[range]:
+        """The nodes each rank holds, in rank order (a seat group's ranks hold its one node)."""
+        if self.k == 1:
+            return blocks(self.n_nodes, self.world)
+        return [range(r // self.k, r // self.k + 1) for r in range(self.world)]
+
+    def seat_group(self, rank: int) -> range:
+        """The ranks of ``rank``'s seat group (itself alone when k = 1)."""
+        first = rank - rank % self.k
+        return range(first, first + self.k)
+
+    @property
+    def leaders(self) -> List[int]:
+        """The first rank of each seat group: the ranks that run the consensus among seats."""
+        return list(range(0, self.world, self.k))
+
+    def describe(self) -> str:
+        """One line: seat -> ranks (or rank -> seats)."""
+        if self.k == 1:
+            return "; ".join(f"rank {r}: seats {b.start}-{b.stop - 1}" if len(b) > 1 else f"rank {r}: seat {b.start}"
+                             for r, b in enumerate(self.rank_blocks()))
+        return "; ".join(f"seat {s}: ranks {s * self.k}-{s * self.k + self.k - 1}" for s in range(self.n_nodes))

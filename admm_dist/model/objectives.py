@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, ContextManager, Dict, Iterable, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -185,14 +185,23 @@ def precompute_reference(model: torch.nn.Module, encoded: Sequence[Encoded], *,
 
 # ----------------------------------------------------------------------------- objectives
 
-def _k3(lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _k3(lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, tokens: Optional[float]) -> torch.Tensor:
     d = ref - lp
-    return ((torch.exp(d) - 1.0 - d) * mask).sum() / mask.sum().clamp_min(1.0)
+    return ((torch.exp(d) - 1.0 - d) * mask).sum() / (mask.sum().clamp_min(1.0) if tokens is None else tokens)
 
 
-def loss(model: torch.nn.Module, batch: Batch, cfg: ObjectiveConfig
-         ) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """The node objective f_i on one batch (a scalar with grad) and float metrics."""
+def normalizers(parts: Sequence[Batch]) -> Tuple[float, float]:
+    """(examples, target tokens) of a minibatch collated as ``parts`` (micro-batches): what
+    :func:`loss` divides each part's sums by, so that the parts' losses add up to the minibatch's."""
+    return (float(sum(b.n_examples for b in parts)),
+            max(1.0, float(sum(float(b.target_mask.sum()) for b in parts))))
+
+
+def loss(model: torch.nn.Module, batch: Batch, cfg: ObjectiveConfig,
+         norm: Optional[Tuple[float, float]] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """The node objective f_i on one batch (a scalar with grad) and float metrics. With
+    ``norm`` (:func:`normalizers`), ``batch`` is one micro-batch of a minibatch: its sums are
+    divided by the whole minibatch's examples and tokens, so the parts' losses add up."""
     if batch.paired != cfg.paired:
         raise UserError(f"fit_mode {cfg.fit_mode} got a {'paired' if batch.paired else 'single'}"
                         f" batch: encode and collate the examples with the same fit_mode")
@@ -205,17 +214,19 @@ def loss(model: torch.nn.Module, batch: Batch, cfg: ObjectiveConfig
     lp = token_logps(model, b)
     mask = b.target_mask
     metrics: Dict[str, float] = {}
-    kl = _k3(lp, b.ref_logps, mask) if b.ref_logps is not None else None
+    examples, tokens = norm if norm is not None else (None, None)
+    kl = _k3(lp, b.ref_logps, mask, tokens) if b.ref_logps is not None else None
     if cfg.paired:
         n = b.n_examples
         logratio = ((lp - b.ref_logps) * mask).sum(-1)
         margin = logratio[:n] - logratio[n:]
-        main = -F.logsigmoid(cfg.dpo_beta * margin).mean()
+        pair = F.logsigmoid(cfg.dpo_beta * margin)
+        main = -pair.mean() if examples is None else -pair.sum() / examples
         metrics["dpo_loss"] = float(main.detach())
         metrics["pref_acc"] = float((margin.detach() > 0).float().mean())
         metrics["margin"] = float(margin.detach().mean())
     else:
-        main = -(lp * mask).sum() / mask.sum().clamp_min(1.0)
+        main = -(lp * mask).sum() / (mask.sum().clamp_min(1.0) if tokens is None else tokens)
         metrics["nll"] = float(main.detach())
     total = main + cfg.kl_beta * kl if (kl is not None and cfg.kl_beta > 0) else main
     if kl is not None:

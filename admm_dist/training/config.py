@@ -172,6 +172,9 @@ class TrainConfig:
     local_steps: int = key(16, "local Adam steps L per x-step", group=ADMM, at_most=MAX_LOCAL_STEPS)
     batch_size: int = key(8, "examples per local Adam step (a node with fewer repeats them)", group=ADMM,
                           at_most=MAX_BATCH_SIZE)
+    micro_batches: int = key(1, "parts each local step's minibatch is computed in, in a fixed order: the "
+                             "ranks of a seat (W = k x seats) share them, so it must be a multiple of k; "
+                             "the numbers depend on it, never on W", group=ADMM, at_most=MAX_BATCH_SIZE)
     eta: float = key(1e-3, "Adam learning rate (may change on resume=auto)", group=ADMM, fingerprint="resumable")
     rho: float = from_component(ADMMConfig, "rho", group=ADMM)
     grad_clip: float = key(0.01, "clip each local step's gradient to this norm (may change on resume=auto)",
@@ -267,10 +270,13 @@ class TrainConfig:
         if self.local_only and self.compress != "none":
             raise UserError(f"compress={self.compress} has no effect under local_only (nothing is exchanged): "
                             "drop compress= or local_only")
-        for name in ("k_outer", "local_steps", "batch_size", "dev_every", "checkpoint_every",
+        for name in ("k_outer", "local_steps", "batch_size", "micro_batches", "dev_every", "checkpoint_every",
                      "keep_checkpoints", "gossip_steps"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)}: it must be >= 1")
+        if self.micro_batches > self.batch_size:
+            raise UserError(f"micro_batches={self.micro_batches} > batch_size={self.batch_size}: a part needs "
+                            "at least one example; lower micro_batches or raise batch_size")
         self._check_paths()
         self._check_out()
         if self.overwrite and self.resume == "auto":

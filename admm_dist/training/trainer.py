@@ -19,7 +19,6 @@ and the progress bars :mod:`admm_dist.core.progress` (rank 0, not ``quiet``, on 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import random
 import time
@@ -37,6 +36,7 @@ from admm_dist.engine.comm import TELEMETRY, Communicator, make_communicator
 from admm_dist.engine.control import Control, control_for
 from admm_dist.engine.dist import DistContext
 from admm_dist.engine.preemption import Preempted, PreemptionFlag, agree
+from admm_dist.engine.seat_group import SeatGroup
 from admm_dist.model import batches as bt
 from admm_dist.model import objectives as obj
 from admm_dist.model.adapter import BOnlyLoRA
@@ -48,6 +48,7 @@ from admm_dist.training import pipeline, resume
 from admm_dist.training.collecting import (CollectionRunner, kl_references, node_vectors, record_collection,
                                            seat_states)
 from admm_dist.training.config import RESUMABLE, TrainConfig
+from admm_dist.training.local_steps import LocalSteps
 from admm_dist.training.outputs import RefusedError, RunOutputs, delta_w_rel, refusal
 from admm_dist.training.report import TrainReport
 from admm_dist.training.state import BestRound, NodeState, RunRecord
@@ -99,6 +100,7 @@ class Trainer:
     # made by build_nodes()
     state: Dict[int, NodeState]
     engine: ADMMEngine
+    local_steps: LocalSteps                 # the nodes' x-steps (made by setup(), with the model)
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] = progress.say,
                  preempt: Optional[PreemptionFlag] = None, faults: Optional["FaultPlan"] = None):
@@ -114,6 +116,7 @@ class Trainer:
         self.record = RunRecord()   # the collections, the keys trained on, the dev curve: resumable
         self.outputs = RunOutputs(cfg, ctx.rank, self.talk)
         self.collections: Optional[CollectionRunner] = None   # made by setup(), with the communicator
+        self.seat = SeatGroup()   # the ranks sharing this rank's seat (k = 1: this one)
         self.fit_digest: Optional[str] = None   # content of the first fit set (fingerprint)
         self.dev_encoded: Dict[int, list] = {}  # each node's held-out share, tokenized once
         self.best: Optional[BestRound] = None
@@ -145,6 +148,7 @@ class Trainer:
             self.model.enable_input_require_grads()
         self.check_basis()
         self.ocfg = cfg.objective_config()
+        self.local_steps = LocalSteps(cfg, self.model, self.adapter, self.ocfg, self.tokenizer.pad_token_id, self.seat)
         self.init_vec = None
         self.ref_vecs: Dict[int, torch.Tensor] = {}   # kl_ref collect after a re-collection: node -> state
         if cfg.init_state:
@@ -251,33 +255,8 @@ class Trainer:
     # ------------------------------------------------------------------ x-step
     def xstep(self, node: int, x: torch.Tensor, centre: Optional[torch.Tensor], rho: float) -> float:
         """``local_steps`` Adam steps on f_i(x) + rho/2 ||x - centre||^2, centre = z_i - u_i."""
-        cfg, st, ad = self.cfg, self.state[node], self.adapter
-        if st.sampler is None:
-            # f_i = 0: the x-step's exact minimizer of rho/2 ||x - (z_i - u_i)||^2
-            if centre is not None:
-                x.copy_(centre)
-            return 0.0
-        ad.load_vector(x)
-        self.model.train()
-        total = 0.0
-        for step in range(cfg.local_steps):
-            idx = st.sampler.next_batch()
-            batch = bt.collate([st.encoded[i] for i in idx], self.tokenizer.pad_token_id)
-            ad.zero_grad()
-            loss, _ = obj.loss(self.model, batch, self.ocfg)
-            value = loss.item()
-            if self.faults is not None and self.faults.poison(self.engine.round, node):
-                value = float("nan")
-            total += value
-            if not math.isfinite(value):
-                break  # every rank stops at this round's telemetry, with the node named
-            loss.backward()
-            if centre is not None and rho > 0:
-                ad.flat_grad.add_(ad.flat - centre, alpha=rho)
-            torch.nn.utils.clip_grad_norm_([ad.param], cfg.grad_clip)
-            st.optimizer.step()
-        x.copy_(ad.vector())
-        return total / cfg.local_steps
+        poisoned = self.faults is not None and self.faults.poison(self.engine.round, node)
+        return self.local_steps.run(self.state[node], x, centre, rho, poisoned=poisoned)
 
     # ------------------------------------------------------------------ rounds
     def train(self) -> Dict[str, object]:

@@ -1,0 +1,71 @@
+"""A seat group: the k ranks that share one seat's x-steps (W = k x N, :mod:`~.placement`).
+
+A local Adam step's minibatch is cut into ``micro_batches`` parts in a fixed order; rank j of
+the group computes parts ``share(M)`` (a contiguous run of M / k of them), and
+:meth:`SeatGroup.ordered_sum` gives every rank of the group the sum of every part's row (its
+gradient and loss, say) in part order 0, 1, ..., M - 1. Each part is computed the same way
+whichever rank computes it, and the sum is always taken in the same order, so the step is
+bit-identical for every k, k = 1 (one rank computing every part) included. On GPU the same
+holds where the kernels are deterministic (``torch.use_deterministic_algorithms``).
+
+The group of one rank (k = 1) is this object with no process group: nothing is sent.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from admm_dist.core.errors import UserError
+from admm_dist.engine.comm.communicator import wait_all
+
+
+def parts(items: Sequence[int], m: int) -> list:
+    """``items`` cut into ``m`` contiguous parts of near-equal size (the first ``len % m`` one longer)."""
+    if not 1 <= m <= len(items):
+        raise UserError(f"micro_batches={m} for a minibatch of {len(items)}: set micro_batches "
+                        f"between 1 and batch_size ({len(items)})")
+    base, extra = divmod(len(items), m)
+    out, start = [], 0
+    for p in range(m):
+        size = base + (1 if p < extra else 0)
+        out.append(list(items[start:start + size]))
+        start += size
+    return out
+
+
+class SeatGroup:
+    """Rank ``index`` of the ``k`` ranks of one seat, over ``group`` (None when k = 1)."""
+
+    def __init__(self, k: int = 1, index: int = 0, group: Optional[dist.ProcessGroup] = None,
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=600)) -> None:
+        if k > 1 and group is None:
+            raise ValueError("a seat group of k > 1 ranks needs its process group")
+        self.k, self.index, self.group, self.timeout = int(k), int(index), group, timeout
+
+    def check(self, micro_batches: int) -> None:
+        """Every rank of the group computes the same number of parts: k divides M."""
+        if micro_batches % self.k:
+            raise UserError(f"micro_batches={micro_batches} with {self.k} ranks per seat: set micro_batches "
+                            f"to a multiple of {self.k} (the numbers are then the same at any world size)")
+
+    def share(self, micro_batches: int) -> range:
+        """The parts this rank computes."""
+        self.check(micro_batches)
+        per = micro_batches // self.k
+        return range(self.index * per, self.index * per + per)
+
+    def ordered_sum(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows ([M / k, width], one per part of :meth:`share`) -> the sum of every
+        part's row in part order, on every rank of the group."""
+        if self.k > 1:
+            every = [torch.empty_like(rows) for _ in range(self.k)]
+            wait_all([dist.all_gather(every, rows.contiguous(), group=self.group, async_op=True)],
+                     self.timeout, "the seat group's gather of micro-batch gradients", dist.get_rank())
+            rows = torch.cat(every, 0)
+        total = rows[0].clone()
+        for row in rows[1:]:
+            total.add_(row)
+        return total

@@ -1,0 +1,93 @@
+"""Seat groups: the placement of W = k x N ranks, and a local step's minibatch computed in parts by
+the k ranks of a seat (real gloo groups, a real tiny Qwen3 with the B-only LoRA adapter)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from admm_dist.core.errors import UserError
+from admm_dist.data.fitset import Example
+from admm_dist.data.sampler import RoleBalancedSampler
+from admm_dist.engine.launcher import launch_cpu
+from admm_dist.engine.placement import Placement
+from admm_dist.engine.seat_group import SeatGroup, parts
+from admm_dist.model import batches as bt
+from admm_dist.model import objectives as obj
+from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
+from admm_dist.testing.tiny import char_tokenizer, tiny_qwen3
+from admm_dist.training.config import TrainConfig
+from admm_dist.training.local_steps import LocalSteps
+from admm_dist.training.state import NodeState
+
+
+def test_placement_is_blocks_up_to_n_then_seat_groups_and_refuses_other_worlds():
+    assert [list(b) for b in Placement(4, 2).rank_blocks()] == [[0, 1], [2, 3]]
+    eight = Placement(4, 8)
+    assert eight.k == 2 and eight.leaders == [0, 2, 4, 6]
+    assert [list(b) for b in eight.rank_blocks()] == [[0], [0], [1], [1], [2], [2], [3], [3]]
+    assert list(eight.seat_group(5)) == [4, 5] and list(Placement(4, 4).seat_group(3)) == [3]
+    assert eight.describe().startswith("seat 0: ranks 0-1; seat 1: ranks 2-3")
+    with pytest.raises(UserError, match=r"world size 6 for 4 seats: launch 4 or 8 ranks"):
+        Placement(4, 6)
+    with pytest.raises(UserError, match=r"launch 8 or 12 ranks"):
+        Placement(4, 9)
+
+
+def test_parts_are_contiguous_in_order_and_a_seat_group_needs_k_to_divide_them():
+    assert parts(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    with pytest.raises(UserError, match="between 1 and batch_size"):
+        parts([1, 2], 3)
+    assert list(SeatGroup().share(4)) == [0, 1, 2, 3]
+    with pytest.raises(UserError, match="multiple of 2"):
+        SeatGroup(2, 1, group=object()).share(3)
+    with pytest.raises(UserError, match="micro_batches=3 > batch_size=2"):
+        TrainConfig(micro_batches=3, batch_size=2)
+
+
+def _node(micro_batches):
+    """A real tiny backbone with its adapter, 8 preference pairs with reference log-probs, a sampler."""
+    tok = char_tokenizer()
+    adapter = BOnlyLoRA(tiny_qwen3(len(tok), hidden=32, layers=2, heads=2, seed=3),
+                        AdapterConfig(lora_rank=4, lora_alpha=8.0, lora_layers_last=2))
+    with torch.no_grad():
+        adapter.flat.normal_(0.0, 0.05)
+    ocfg = obj.ObjectiveConfig(dpo_beta=0.5, kl_beta=0.05)
+    rows = [Example(seat=0, role="Solver", anchor=f"q{i}", prompt=f"Q:{i}" + "x" * (i % 3),
+                    target="yes" + "!" * (i % 2), rejected="no" + "." * (i % 3)) for i in range(8)]
+    enc = bt.encode(tok, rows, ocfg)
+    obj.precompute_reference(adapter.model, enc, batch_size=8, ref_context=adapter.disabled, pad_id=tok.pad_token_id)
+    cfg = TrainConfig(batch_size=8, micro_batches=micro_batches, local_steps=3, grad_clip=1.0)
+    opt = torch.optim.Adam([adapter.param], lr=1e-2, foreach=False)
+    return cfg, adapter, ocfg, tok, NodeState(0, enc, RoleBalancedSampler(enc, 8, 11), opt)
+
+
+def _x_step(ctx, micro_batches):
+    """One x-step of the node; the seat group is every rank of the launch (k = world size)."""
+    torch.set_num_threads(1)
+    cfg, adapter, ocfg, tok, st = _node(micro_batches)
+    k = ctx.world_size
+    seat = SeatGroup(k, ctx.rank, dist.group.WORLD if k > 1 else None, ctx.timeout)
+    steps = LocalSteps(cfg, adapter.model, adapter, ocfg, tok.pad_token_id, seat)
+    x = adapter.vector().clone()
+    centre = x + 0.01
+    loss = steps.run(st, x, centre, rho=0.5)
+    return x, loss
+
+
+def test_an_x_step_in_micro_batches_is_the_same_bits_on_one_two_and_four_ranks():
+    """M = 4 parts: computed all by one rank, two each by two ranks, one each by four ranks,
+    then summed in part order: the same x and loss, bit for bit; and within float rounding of
+    the same x-step in one piece (M = 1)."""
+    torch.set_num_threads(1)
+    x1, loss1 = _x_step(_One(), 4)
+    for k in (2, 4):
+        res = launch_cpu(_x_step, k, 4, timeout_s=120)
+        for r in range(k):
+            assert torch.equal(res[r][0], x1) and res[r][1] == loss1, (k, r)
+    whole, loss_whole = _x_step(_One(), 1)
+    assert not torch.equal(whole, x1)   # a different sum order: another setting, other bits
+    assert torch.allclose(whole, x1, rtol=0, atol=1e-5) and abs(loss_whole - loss1) < 1e-5
+
+
+class _One:
+    """One process: a world of one rank."""
+    rank, world_size, timeout = 0, 1, None
