@@ -48,6 +48,7 @@ import torch
 from admm_dist.core.config_file import key
 from admm_dist.core.errors import RunError, UserError
 from admm_dist.engine.comm import CONSENSUS, DECENTRALIZED, IN_PROCESS, Communicator
+from admm_dist.engine.seat_group import SeatGroup
 
 COMM = "comm."   # the name prefix of the communicator's per-node state in a state_dict
 
@@ -129,10 +130,11 @@ class ADMMEngine:
     """Holds (x_i, z_i, u_i) for the nodes this process owns and runs rounds."""
 
     def __init__(self, comm: Communicator, config: ADMMConfig,
-                 x0: Sequence[torch.Tensor]) -> None:
+                 x0: Sequence[torch.Tensor], seat: Optional[SeatGroup] = None) -> None:
         if len(x0) != len(comm.nodes):
             raise ValueError(f"x0 has {len(x0)} vectors but this process owns {len(comm.nodes)} node(s)")
         self.comm = comm
+        self.seat = seat if seat is not None else SeatGroup()   # W = k x N: the ranks of this seat
         self.config = config
         self.nodes = comm.nodes
         self.x = [v.detach().clone().contiguous() for v in x0]
@@ -198,7 +200,9 @@ class ADMMEngine:
                     self.z[k].copy_(self.x[k])
                 else:
                     torch.add(self.x[k], self.u[k], out=self.z[k])
-            self.comm.consensus_(self.z)
+            if self.seat.leads:   # the seat's leader takes part in the consensus; its z goes to the group
+                self.comm.consensus_(self.z)
+            self.seat.broadcast(self.z, meter, self.nodes[0])
         t2 = time.perf_counter()
 
         if not (cfg.local_only or cfg.no_dual):
@@ -221,8 +225,7 @@ class ADMMEngine:
             r[-1] = t3 - t2
         if not telemetry:
             return None
-        local = torch.tensor(rows, dtype=torch.float64)
-        table = self.comm.gather_rows(local)
+        table = self._every(torch.tensor(rows, dtype=torch.float64))
         rec = self._record(table)
         self.history.append(rec)
         bad = [i for i in range(table.shape[0])
@@ -259,7 +262,13 @@ class ADMMEngine:
     def every_node(self, vectors: Sequence[torch.Tensor]) -> torch.Tensor:
         """[n_nodes, P]: one vector per local node (z_i, x_i) -> every node's, on every rank, in
         node order (metered as telemetry): what inexact consensus leaves each seat to deploy."""
-        return self.comm.gather_rows(torch.stack([v.detach().reshape(-1) for v in vectors]))
+        return self._every(torch.stack([v.detach().reshape(-1) for v in vectors]))
+
+    def _every(self, rows: torch.Tensor) -> torch.Tensor:
+        """[len(nodes), k] -> [n_nodes, k]: gathered by the leaders, given to their seat groups."""
+        table = self.comm.gather_rows(rows) if self.seat.leads else rows.new_empty(self.comm.n_nodes, rows.shape[1])
+        self.seat.broadcast([table])
+        return table
 
     # -- state ------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

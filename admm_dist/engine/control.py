@@ -30,11 +30,15 @@ MAX_TABLE_COLUMNS = 16   # a control table carries a few figures per node, not d
 
 
 class Control:
-    """Agreement among the ranks holding the node blocks ``blocks`` (one process: one block)."""
+    """Agreement among the ranks holding the node blocks ``blocks`` (one process: one block; a
+    seat group's ranks all hold its node)."""
 
     def __init__(self, blocks: Sequence[range]) -> None:
         self.blocks = [range(b.start, b.stop) for b in blocks]
-        self.n_nodes = sum(len(b) for b in self.blocks)
+        order = [node for b in self.blocks for node in b]   # the gathered rows' nodes, in rank order
+        self.n_nodes = len(set(order))
+        # a node held by a seat group's k ranks (W = k x N): its first rank's row stands for it
+        self._first = [order.index(node) for node in range(self.n_nodes)]
 
     # -- the questions ------------------------------------------------------------------------
     def all(self, yes: bool) -> bool:
@@ -97,7 +101,7 @@ class GroupControl(Control):
         return [int(v) for v in t.tolist()]
 
     def _table(self, rows: torch.Tensor) -> torch.Tensor:
-        return gather_blocks(rows, self.blocks, self.group, self.timeout, "gathering a control table")
+        return gather_blocks(rows, self.blocks, self.group, self.timeout, "gathering a control table")[self._first]
 
 
 def control_for(ctx: "DistContext", blocks: Sequence[range]) -> Control:

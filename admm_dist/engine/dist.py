@@ -9,6 +9,8 @@ environment itself.
   started without torchrun is a world of size 1.
 - :func:`backend_for` is the single place that maps a device to a backend
   (``cuda`` -> ``nccl``, ``cpu`` -> ``gloo``).
+- :func:`seat_groups` creates, for W = k x N, each seat's group of k ranks and the group of
+  their leaders (:mod:`admm_dist.engine.seat_group`).
 - :func:`distributed` is a context manager that binds the device from
   ``LOCAL_RANK``, creates the default process group with a collective timeout and
   the gloo group of control agreement (:mod:`admm_dist.engine.control`), enters only
@@ -24,13 +26,17 @@ import os
 import re
 import time
 import uuid
-from typing import Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Iterator, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from admm_dist.core.constants import DEFAULT_TIMEOUT_S
 from admm_dist.core.errors import UserError
+
+if TYPE_CHECKING:
+    from admm_dist.engine.placement import Placement
+    from admm_dist.engine.seat_group import SeatGroup
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 DEVICE_FORMS = "auto, cpu, cuda or cuda:N"   # what a device setting may be (check_device)
@@ -303,4 +309,23 @@ def distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
         # Destroy on success and on failure; a failing peer must not keep us alive.
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def seat_groups(placement: "Placement", timeout: datetime.timedelta
+                ) -> Tuple["SeatGroup", Optional[dist.ProcessGroup]]:
+    """This rank's seat group and the leaders' process group (the consensus between seats) of
+    ``placement``; for k = 1, a seat group of one and None (the default group carries it all).
+    Every rank creates every group, in the same order, as ``new_group`` requires."""
+    from admm_dist.engine.seat_group import SeatGroup
+
+    if placement.k == 1:
+        return SeatGroup(), None
+    rank, mine = dist.get_rank(), None
+    for s in range(placement.n_nodes):
+        ranks = list(range(s * placement.k, (s + 1) * placement.k))
+        group = dist.new_group(ranks, timeout=timeout)
+        mine = group if rank in ranks else mine
+    leaders = dist.new_group(placement.leaders, timeout=timeout)
+    first = rank - rank % placement.k
+    return SeatGroup(placement.k, rank % placement.k, mine, timeout, leader=first), leaders
 

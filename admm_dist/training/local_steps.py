@@ -71,7 +71,7 @@ class LocalSteps:
             return loss.item()
         batches = [bt.collate([st.encoded[i] for i in part], self.pad_id) for part in parts(idx, self.cfg.micro_batches)]
         norm, rows = obj.normalizers(batches), []
-        for m in self.seat.share(len(batches)):
+        for m in self.seat.my_parts(len(batches)):
             ad.zero_grad()
             loss, _ = obj.loss(self.model, batches[m], self.ocfg, norm)
             loss.backward()

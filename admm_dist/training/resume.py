@@ -59,14 +59,20 @@ class Checkpointed:
 
 
 def save_round(root: str, run: Checkpointed, control: "Control", *, fingerprint: str, identity: Mapping[str, Any],
-               resumable: Mapping[str, float], keep: int, faults: Optional["FaultPlan"] = None) -> None:
+               resumable: Mapping[str, float], keep: int, faults: Optional["FaultPlan"] = None,
+               writer: bool = True) -> None:
     """Every node of this rank writes round ``engine.round``; then the ranks agree on the newest
-    round all of them completed, and only then prune to ``keep`` rounds up to it.
+    round all of them completed, and only then prune to ``keep`` rounds up to it. A rank that is
+    not its seat group's leader (``writer`` false) writes nothing and only takes part in that
+    agreement (its leader writes the same state).
 
     A rank killed while writing leaves the others waiting in that agreement (they fail with the
     dead peer), so no rank ever prunes the last round every rank completed."""
     nodes = list(run.nodes)
     k = run.engine.round
+    if not writer:
+        control.min(k)
+        return
     engine_state = run.engine.state_dict()
     before = [r for r in ckpt.completed_rounds(root, nodes, fingerprint) if r < k]
     for node in nodes:

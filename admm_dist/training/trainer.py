@@ -34,7 +34,8 @@ from admm_dist.data.sampler import RoleBalancedSampler
 from admm_dist.engine.admm import ADMMEngine, RoundRecord
 from admm_dist.engine.comm import TELEMETRY, Communicator, make_communicator
 from admm_dist.engine.control import Control, control_for
-from admm_dist.engine.dist import DistContext
+from admm_dist.engine.dist import DistContext, seat_groups
+from admm_dist.engine.placement import Placement
 from admm_dist.engine.preemption import Preempted, PreemptionFlag, agree
 from admm_dist.engine.seat_group import SeatGroup
 from admm_dist.model import batches as bt
@@ -58,27 +59,31 @@ if TYPE_CHECKING:
     from admm_dist.testing.faults import FaultPlan
 
 
-def build_communicator(cfg: TrainConfig, ctx: DistContext) -> Communicator:
-    """The communicator of this launch: a block of nodes per rank under torchrun (W <= N), all
-    nodes in one process otherwise; more ranks than nodes is refused."""
+def build_communicator(cfg: TrainConfig, ctx: DistContext) -> Tuple[Communicator, SeatGroup]:
+    """The communicator of this launch and this rank's seat group: a block of nodes per rank
+    under torchrun (W <= N), or k ranks per node (W = k x N, the leaders carrying the consensus);
+    all nodes in one process otherwise. Any other W is refused, naming the nearest valid ones."""
     n = cfg.n_nodes()
+    seat, leaders, k = SeatGroup(), None, 1
     if ctx.env.is_distributed:
         if cfg.backend == "local":
             raise UserError("--backend local runs every node in one process: launch it "
                             "without torchrun (python -m admm_dist.train ...)")
-        if ctx.world_size > n:
-            raise UserError(f"world size {ctx.world_size} > number of nodes {n}: a node cannot be split over "
-                            f"ranks; launch at most {n} rank(s) in all (torchrun --nproc_per_node {n}, or "
-                            "fewer: several nodes then share a rank)")
+        k = Placement(n, ctx.world_size).k
+        if k > 1:
+            SeatGroup(k, group=object()).check(cfg.micro_batches)
+            if pipeline.needs_collection(cfg):
+                raise UserError(f"{ctx.world_size} ranks for {n} seats (k = {k} per seat) train from a fit set "
+                                f"for now: collect at W <= {n} (or with fitset_cache=), then train at W = {ctx.world_size}")
+            seat, leaders = seat_groups(Placement(n, ctx.world_size), ctx.timeout)
         backend = "process_group"
     else:
         if cfg.backend == "process_group":
             raise UserError("--backend process_group needs torchrun: torchrun "
                             f"--nproc_per_node {n} -m admm_dist.train ...")
         backend = "local"
-    return make_communicator(cfg.consensus, n_nodes=n, topology=cfg.topology,
-                             gossip_steps=cfg.gossip_steps, timeout=ctx.timeout,
-                             backend=backend, compress=cfg.compress)
+    return make_communicator(cfg.consensus, n_nodes=n, topology=cfg.topology, gossip_steps=cfg.gossip_steps,
+                             timeout=ctx.timeout, backend=backend, compress=cfg.compress, group=leaders, k=k), seat
 
 
 class Trainer:
@@ -129,8 +134,11 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.comm = build_communicator(self.cfg, self.ctx)
-        self.control = control_for(self.ctx, self.comm.rank_blocks())
+        self.comm, self.seat = build_communicator(self.cfg, self.ctx)
+        self.placement = Placement(cfg.n_nodes(), self.ctx.world_size)
+        self.control = control_for(self.ctx, self.placement.rank_blocks())
+        if self.ctx.env.is_distributed:
+            self.talk(f"placement: {self.placement.describe()}")
         self.nodes = list(self.comm.nodes)
         self.collections = CollectionRunner(cfg, self.ctx, self.comm, self.talk)
         self.check_outputs()
@@ -223,7 +231,7 @@ class Trainer:
         self.encode_nodes()
         x0 = self.init_vec if self.init_vec is not None else torch.zeros(self.adapter.numel)
         self.engine = ADMMEngine(self.comm, cfg.admm_config(),
-                                 [x0.to(self.ctx.device, torch.float32) for _ in self.nodes])
+                                 [x0.to(self.ctx.device, torch.float32) for _ in self.nodes], seat=self.seat)
         self.best = None
 
     def encode_nodes(self) -> None:
@@ -364,7 +372,7 @@ class Trainer:
     def checkpoint(self, root: str) -> None:
         resume.save_round(root, self.checkpointed(), self.control, fingerprint=self.fingerprint,
                           identity=self.identity, resumable={k: getattr(self.cfg, k) for k in RESUMABLE},
-                          keep=self.cfg.keep_checkpoints, faults=self.faults)
+                          keep=self.cfg.keep_checkpoints, faults=self.faults, writer=self.seat.leads)
 
     def try_resume(self) -> None:
         agreed = resume.agreed_round(self.cfg, self.control, self.nodes, self.fingerprint, self.identity,
@@ -395,7 +403,7 @@ class Trainer:
         report.x1_norm_curve = [r.x1_norm for r in hist]
         report.comm_bytes_per_round_per_node = [r.bytes_sent for r in hist]
         report.backend = self.comm.__class__.__name__
-        report.placement = [list(b) for b in self.comm.rank_blocks()]
+        report.placement = [list(b) for b in self.placement.rank_blocks()]
         report.train_sec = round(time.time() - self.t_start, 2)
         deploy_local = cfg.local_only or not self.comm.exact
         result = [self.engine.x[j] if cfg.local_only else self.engine.z[j] for j in range(len(self.nodes))]
@@ -413,7 +421,8 @@ class Trainer:
         if why is not None:
             self.outputs.write_report(report, "refused")
             raise RefusedError(why)
-        self.outputs.write_results(engine=self.engine, control=self.control, nodes=self.nodes, adapter=self.adapter,
+        self.outputs.write_results(engine=self.engine, control=self.control, adapter=self.adapter,
+                                   nodes=self.nodes if self.seat.leads else [],   # a seat's leader writes it
                                    report=report, best=self.best, deploy_local=deploy_local,
                                    fingerprint=self.fingerprint)
         return report.as_dict()

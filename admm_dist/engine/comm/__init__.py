@@ -29,9 +29,10 @@ COMM_BACKENDS = ("auto", "process_group", "local")   # nodes spread over ranks, 
 def make_communicator(mode: str, *, n_nodes: int, topology: str = "ring", gossip_steps: int = 1,
                       timeout: Optional[datetime.timedelta] = None, backend: str = "auto",
                       meter: Optional[ByteMeter] = None, compress: str = "none",
-                      group: Optional[dist.ProcessGroup] = None) -> Communicator:
-    """``process_group`` (a block of nodes per rank of ``group``, the default group unless given)
-    or ``local``; ``auto`` takes the process group when one is initialised."""
+                      group: Optional[dist.ProcessGroup] = None, k: int = 1) -> Communicator:
+    """``process_group`` (a block of nodes per rank of ``group``, the default group unless given;
+    k > 1 ranks per seat: ``group`` is the seats' leaders) or ``local``; ``auto`` takes the
+    process group when one is initialised."""
     check_mode(mode, topology, gossip_steps)
     if backend not in COMM_BACKENDS:
         raise UserError(f"backend={backend!r}: choose auto, process_group or local")
@@ -39,7 +40,7 @@ def make_communicator(mode: str, *, n_nodes: int, topology: str = "ring", gossip
         return LocalCommunicator(mode=mode, n_nodes=n_nodes, topology=topology,
                                  gossip_steps=gossip_steps, meter=meter, compress=compress)
     return ProcessGroupCommunicator(mode=mode, n_nodes=n_nodes, group=group, topology=topology,
-                                    gossip_steps=gossip_steps, meter=meter, compress=compress,
+                                    gossip_steps=gossip_steps, meter=meter, compress=compress, k=k,
                                     timeout=timeout or datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
 
 

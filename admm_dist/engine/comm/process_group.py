@@ -33,15 +33,15 @@ class ProcessGroupCommunicator(Communicator):
 
     def __init__(self, *, mode: str, n_nodes: int, timeout: datetime.timedelta,
                  group: Optional[dist.ProcessGroup] = None, topology: str = "ring",
-                 gossip_steps: int = 1, meter=None, compress: str = "none") -> None:
-        if not dist.is_initialized():
+                 gossip_steps: int = 1, meter=None, compress: str = "none", k: int = 1) -> None:
+        if not dist.is_initialized():   # k > 1: ``group`` is the seat groups' leaders (engine/dist.py)
             raise CommError("no process group: create one with admm_dist.engine.dist.distributed() first")
-        self.group = group
-        self.world = dist.get_world_size(group)
-        super().__init__(mode=mode, n_nodes=n_nodes, blocks=blocks(n_nodes, self.world), rank=dist.get_rank(group),
+        self.group, self.world = group, dist.get_world_size(group) if k == 1 else n_nodes
+        rank = dist.get_rank(group) if k == 1 else dist.get_rank() // k   # a follower's seat, too
+        super().__init__(mode=mode, n_nodes=n_nodes, blocks=blocks(n_nodes, self.world), rank=rank,
                          topology=topology, gossip_steps=gossip_steps, meter=meter, compress=compress)
         self.timeout = timeout
-        self.nccl = dist.get_backend(group) == "nccl"
+        self.nccl = dist.get_backend() == "nccl"
         self._held: List[dist.P2POp] = []   # NCCL: the messages of one step, posted together
 
     def _peer(self, node: int) -> int:
