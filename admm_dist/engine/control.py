@@ -71,6 +71,12 @@ class Control:
                              f"{self.rank}, got {tuple(rows.shape)}")
         return self._table(rows.detach().cpu())
 
+    def per_rank(self, row: Sequence[float]) -> List[List[float]]:
+        """A few figures of this rank (at most 16) -> every rank's, in rank order."""
+        if len(row) > MAX_TABLE_COLUMNS:
+            raise ValueError(f"per_rank takes at most {MAX_TABLE_COLUMNS} figures, got {len(row)}")
+        return self._rows(torch.tensor([list(row)], dtype=torch.float64)).tolist()
+
     def barrier(self) -> None:
         """Return once every rank is here."""
         self.all(True)
@@ -83,6 +89,9 @@ class Control:
 
     def _table(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.clone()
+
+    def _rows(self, row: torch.Tensor) -> torch.Tensor:
+        return row.clone()
 
 
 class GroupControl(Control):
@@ -102,6 +111,12 @@ class GroupControl(Control):
 
     def _table(self, rows: torch.Tensor) -> torch.Tensor:
         return gather_blocks(rows, self.blocks, self.group, self.timeout, "gathering a control table")[self._first]
+
+    def _rows(self, row: torch.Tensor) -> torch.Tensor:
+        every = [torch.empty_like(row) for _ in self.blocks]
+        wait_all([dist.all_gather(every, row, group=self.group, async_op=True)], self.timeout,
+                 "gathering figures of every rank", self.rank)
+        return torch.cat(every, 0)
 
 
 def control_for(ctx: "DistContext", blocks: Sequence[range]) -> Control:

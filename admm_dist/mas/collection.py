@@ -23,25 +23,29 @@ section 4). The trainer derives ``dpo``/``rsft`` from it (:func:`admm_dist.data.
 
 :func:`collect_fitset` is the trainer's whole step (queries, pre-screen, rollouts, filter).
 Work is split in chunks of ``gen_chunk`` queries; chunk c runs on rank c mod world and the
-results are all-gathered (JSON over the communicator's telemetry path), so every rank ends
+results are all-gathered (JSON over every rank, metered as telemetry), so every rank ends
 with the same fit set as one process would build, and keeps its own seats' examples.
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from admm_dist import tasks
 from admm_dist.core import progress
 from admm_dist.core.config_file import key
-from admm_dist.core.constants import PRESCREEN_SALT
+from admm_dist.core.constants import DEFAULT_TIMEOUT_S, PRESCREEN_SALT
 from admm_dist.core.errors import UserError
 from admm_dist.data import queries
 from admm_dist.data.fitset import Example, FitSet
+from admm_dist.engine.comm import TELEMETRY
+from admm_dist.engine.comm.communicator import wait_all
 from admm_dist.mas import ChainRunner, row_seed
 from admm_dist.mas.prompts import role_name
 from admm_dist.model.loading import load_model
@@ -66,22 +70,28 @@ Exchange = Callable[[Any], List[Any]]    # this rank's JSON-able result -> every
 
 
 def gather_json(comm, device) -> Exchange:
-    """An Exchange over a Communicator: one JSON object per rank, in rank order (bytes metered
-    as telemetry). A rank with several nodes sends its object once per node; the first is kept."""
-    firsts = [block[0] for block in comm.rank_blocks()]
-    local = len(comm.nodes)
+    """An Exchange over every rank of the default process group: one JSON object per rank, in
+    rank order, as a length then padded bytes (no pickle); the bytes are metered as telemetry
+    on this rank's first node. Every rank collects its own chunks, the k ranks of a seat too."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    timeout = getattr(comm, "timeout", datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+
+    def gather(t: torch.Tensor) -> List[torch.Tensor]:
+        every = [torch.empty_like(t) for _ in range(world)]
+        wait_all([dist.all_gather(every, t, async_op=True)], timeout, "the collection's exchange", rank)
+        return every
 
     def exchange(obj: Any) -> List[Any]:
-        if len(firsts) == 1:
+        if world == 1:
             return [obj]
         data = json.dumps(obj, sort_keys=True).encode()
-        n = comm.gather_rows(torch.tensor([[len(data)]] * local, dtype=torch.int64, device=device))
-        sizes = [int(n[i, 0]) for i in firsts]
-        buf = torch.zeros((local, max(sizes)), dtype=torch.uint8, device=device)
+        sizes = [int(n) for n in gather(torch.tensor([len(data)], dtype=torch.int64, device=device))]
+        buf = torch.zeros(max(max(sizes), 1), dtype=torch.uint8, device=device)
         if data:
-            buf[:, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-        rows = comm.gather_rows(buf).cpu()
-        return [json.loads(bytes(rows[i, :size].tolist()).decode()) for i, size in zip(firsts, sizes)]
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        comm.meter.add(comm.nodes[0], "all_gather", sent=buf.numel() * (world - 1),
+                       recv=buf.numel() * (world - 1), phase=TELEMETRY)
+        return [json.loads(bytes(b[:n].cpu().tolist()).decode()) for b, n in zip(gather(buf), sizes)]
     return exchange
 
 

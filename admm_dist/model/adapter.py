@@ -264,6 +264,10 @@ class BOnlyLoRA:
             off += n
         self._numel = total
         self.check_aliasing()
+        self.backbone_id: Optional[Dict[str, Any]] = None   # model.vectors.backbone_identity, once read
+        base = self.model.get_base_model()   # ||W||^2 of each adapted projection, in layout order:
+        self.base_sq = [float(base.get_submodule(name).base_layer.weight.float().pow(2).sum())   # frozen, and
+                        for name, _, _ in self._layout]   # whole here even once the backbone is sharded
         if fast_path:
             for _, mod in lora_layers:
                 install_fused_forward(mod, ADAPTER_NAME)

@@ -150,10 +150,14 @@ def backbone_identity(adapter: Any) -> Optional[Dict[str, Any]]:
     id it was loaded from) and ``weights``, a sha256 of every frozen tensor's name, shape and
     :data:`BACKBONE_SAMPLES` evenly spaced values rounded to bf16 (the same on CPU in fp32 and on
     a GPU in bf16; cheap for an 8B model). Two backbones of one shape (a fine-tune, another
-    seed) differ in ``weights``. None for an adapter-like object without a ``model``."""
+    seed) differ in ``weights``. None for an adapter-like object without a ``model``. The backbone
+    is frozen: the identity is computed once per adapter and kept (a sharded backbone,
+    :mod:`admm_dist.model.sharding`, is read before it is sharded)."""
     model = getattr(adapter, "model", None)
     if model is None or not hasattr(model, "named_parameters"):
         return None
+    if getattr(adapter, "backbone_id", None) is not None:
+        return adapter.backbone_id
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     name = getattr(base, "name_or_path", None) or getattr(getattr(base, "config", None), "_name_or_path", None)
     h = hashlib.sha256()
@@ -165,7 +169,8 @@ def backbone_identity(adapter: Any) -> Optional[Dict[str, Any]]:
         sample = flat[::step][:BACKBONE_SAMPLES].to("cpu").float().to(torch.bfloat16).float()
         h.update(f"{n}:{tuple(p.shape)}:".encode())
         h.update(sample.numpy().tobytes())
-    return {"name": str(name) if name else None, "weights": h.hexdigest()}
+    adapter.backbone_id = {"name": str(name) if name else None, "weights": h.hexdigest()}
+    return adapter.backbone_id
 
 
 def check_backbone(path: str, theirs: Any, adapter: BOnlyLoRA) -> None:

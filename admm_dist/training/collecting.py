@@ -65,7 +65,7 @@ class CollectionRunner:
             return collect_fitset(cfg, runner, collection=collection,
                                   init_sha=pipeline.file_fingerprint(cfg.init_state),
                                   rank=self.ctx.rank if distributed else 0,
-                                  world=len(self.comm.rank_blocks()) if distributed else 1,
+                                  world=self.ctx.world_size if distributed else 1,   # a seat's k ranks too
                                   exchange=gather_json(self.comm, self.ctx.device) if distributed else None)
         finally:
             model.train(was_training)

@@ -172,6 +172,9 @@ class TrainConfig:
     local_steps: int = key(16, "local Adam steps L per x-step", group=ADMM, at_most=MAX_LOCAL_STEPS)
     batch_size: int = key(8, "examples per local Adam step (a node with fewer repeats them)", group=ADMM,
                           at_most=MAX_BATCH_SIZE)
+    shard_backbone: bool = key(False, "shard the frozen backbone over each seat's k ranks with FSDP2 (W = k x seats): "
+                               "a rank holds 1/k of it; the numbers are the unsharded run's", group=ADMM,
+                               fingerprint="ignored")
     micro_batches: int = key(1, "parts each local step's minibatch is computed in, in a fixed order: the "
                              "ranks of a seat (W = k x seats) share them, so it must be a multiple of k; "
                              "the numbers depend on it, never on W", group=ADMM, at_most=MAX_BATCH_SIZE)

@@ -398,10 +398,10 @@ def delta_w_rel(adapter: "BOnlyLoRA", vec: torch.Tensor, lora_alpha: float, lora
     num = den = 0.0
     scale = lora_alpha / lora_rank
     base = adapter.model.get_base_model()
-    for name, _shape, _off in adapter.layout():
+    for (name, _shape, _off), w_sq in zip(adapter.layout(), adapter.base_sq):
         mod = base.get_submodule(name)
         a = mod.lora_A["default"].weight.float()
         b = mod.lora_B["default"].weight.float()
         num += float((scale * (b @ a)).pow(2).sum())
-        den += float(mod.base_layer.weight.float().pow(2).sum())
+        den += w_sq
     return math.sqrt(num) / max(math.sqrt(den), 1e-30)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import resource
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
@@ -43,6 +44,7 @@ from admm_dist.model import objectives as obj
 from admm_dist.model.adapter import BOnlyLoRA
 from admm_dist.model.loading import load_model
 from admm_dist.model.objectives import ObjectiveConfig
+from admm_dist.model.sharding import held_bytes, shard_backbone
 from admm_dist.model.vectors import check_same_basis, hash_to_int64_row, int64_row_to_hash, load_vector
 from admm_dist.training import checkpoint as ckpt
 from admm_dist.training import pipeline, resume
@@ -72,9 +74,10 @@ def build_communicator(cfg: TrainConfig, ctx: DistContext) -> Tuple[Communicator
         k = Placement(n, ctx.world_size).k
         if k > 1:
             SeatGroup(k, group=object()).check(cfg.micro_batches)
-            if pipeline.needs_collection(cfg):
-                raise UserError(f"{ctx.world_size} ranks for {n} seats (k = {k} per seat) train from a fit set "
-                                f"for now: collect at W <= {n} (or with fitset_cache=), then train at W = {ctx.world_size}")
+            if cfg.shard_backbone and (pipeline.needs_collection(cfg) or cfg.recollect_every):
+                raise UserError("shard_backbone=true with on-policy collection: the ranks of a seat generate "
+                                "different rollouts, which a sharded backbone cannot serve; collect without it "
+                                "(drop shard_backbone=) or train from a fit set (fitset_cache=)")
             seat, leaders = seat_groups(Placement(n, ctx.world_size), ctx.timeout)
         backend = "process_group"
     else:
@@ -149,6 +152,8 @@ class Trainer:
         model, self.tokenizer = self.load_backbone()
         self.adapter = BOnlyLoRA(model, cfg.adapter_config())
         self.model = self.adapter.model
+        if cfg.shard_backbone and self.seat.k > 1:
+            shard_backbone(self.adapter, self.seat.group, self.ctx.device.type)
         # Checkpointing trades compute for activation memory: on by default on GPU; a CPU
         # run has the memory and would only pay the recomputation (about +50% per step).
         if not cfg.no_grad_checkpointing and self.ctx.device.type == "cuda":
@@ -289,6 +294,9 @@ class Trainer:
         self.report.n_nodes = self.comm.n_nodes
         self.report.numel = self.adapter.numel
         self.report.basis_hash = self.adapter.basis_hash()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux counts KiB
+        held = self.control.per_rank([held_bytes(self.model), rss])   # every rank's, once loaded
+        self.report.memory = {"param_bytes": [r[0] for r in held], "peak_rss_start": [r[1] for r in held]}
         if cfg.dry_run:
             self.talk("dry run: fit sets built, stopping before any gradient step")
             self.outputs.write_report(self.reported(), "dryrun")

@@ -123,6 +123,7 @@ def _seat_groups(ctx):
     return out
 
 
+@pytest.mark.slow
 def test_four_seats_on_eight_ranks_run_the_oracles_admm_with_the_leaders_carrying_the_consensus():
     """N = 4 seats, k = 2 ranks each: the leaders run the consensus among seats and give z to
     their group; every rank ends with the oracle's z and u (bit for bit; coordinator to float

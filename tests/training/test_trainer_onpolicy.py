@@ -254,3 +254,20 @@ def test_agent_models_puts_another_backbone_in_one_seat(tmp_path):
     assert seat(a, 0) == seat(b, 0)          # upstream of the swapped seat: unchanged
     assert seat(a, 1) != seat(b, 1)          # the swapped seat speaks for the other backbone
     assert b.settings["agent_models"] == f"1={tiny}"
+
+
+@pytest.mark.slow
+def test_two_ranks_per_seat_collect_their_own_chunks_and_train_like_one_process(tmp_path):
+    """4 seats on 8 ranks (k = 2): every rank rolls out its own chunks of the queries, the fit
+    sets are the one process's, and training with micro_batches 2 ends where it does."""
+    kw = dict(micro_batches=2, recollect_every=1)
+    local, dist = _cfg(tmp_path / "local", **kw), _cfg(tmp_path / "dist", **kw)
+    launch_cpu(_worker, 8, dist, timeout_s=600)
+    rep = train_local(local)
+    with open(tmp_path / "dist" / "rep" / "run-train.json") as fh:
+        drep = json.load(fh)
+    assert drep["placement"] == [[s] for s in range(4) for _ in range(2)]
+    assert drep["anchor_keys"] == rep["anchor_keys"] and drep["node_sizes"] == rep["node_sizes"]
+    assert [c["mixed_group_rate"] for c in drep["collections"]] == [c["mixed_group_rate"] for c in rep["collections"]]
+    assert torch.equal(load_file(str(tmp_path / "dist" / "run-last.safetensors"))["b"],
+                       load_file(str(tmp_path / "local" / "run-last.safetensors"))["b"])
