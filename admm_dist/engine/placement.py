@@ -26,9 +26,9 @@ def blocks(n_nodes: int, world: int) -> List[range]:
     if world < 1:
         raise UserError(f"world size {world}: a run needs at least one rank")
     if world > n_nodes:
-        raise UserError(f"world size {world} > number of nodes {n_nodes}: a node cannot be split over "
-                        f"ranks; launch at most {n_nodes} rank(s) (torchrun --nproc_per_node "
-                        f"{n_nodes}, or fewer: several nodes then share a rank)")
+        raise UserError(f"world size {world} > number of nodes {n_nodes}: these ranks hold blocks of nodes, "
+                        f"so launch at most {n_nodes} rank(s) (torchrun --nproc_per_node {n_nodes}, or "
+                        "fewer: several nodes then share a rank); the trainer also takes k ranks per node")
     base, extra = divmod(n_nodes, world)
     out, start = [], 0
     for r in range(world):

@@ -44,6 +44,13 @@ def parts(items: Sequence[int], m: int) -> list:
     return out
 
 
+def check_micro_batches(micro_batches: int, k: int) -> None:
+    """Refuse M parts that k ranks per seat cannot share evenly, naming the fix."""
+    if micro_batches % k:
+        raise UserError(f"micro_batches={micro_batches} with {k} ranks per seat: set micro_batches "
+                        f"to a multiple of {k} (the numbers are then the same at any world size)")
+
+
 class SeatGroup:
     """Rank ``index`` of the ``k`` ranks of one seat, over ``group`` (None when k = 1)."""
 
@@ -73,9 +80,7 @@ class SeatGroup:
 
     def check(self, micro_batches: int) -> None:
         """Every rank of the group computes the same number of parts: k divides M."""
-        if micro_batches % self.k:
-            raise UserError(f"micro_batches={micro_batches} with {self.k} ranks per seat: set micro_batches "
-                            f"to a multiple of {self.k} (the numbers are then the same at any world size)")
+        check_micro_batches(micro_batches, self.k)
 
     def my_parts(self, micro_batches: int) -> range:
         """The parts this rank computes."""

@@ -38,7 +38,7 @@ from admm_dist.engine.control import Control, control_for
 from admm_dist.engine.dist import DistContext, seat_groups
 from admm_dist.engine.placement import Placement
 from admm_dist.engine.preemption import Preempted, PreemptionFlag, agree
-from admm_dist.engine.seat_group import SeatGroup
+from admm_dist.engine.seat_group import SeatGroup, check_micro_batches
 from admm_dist.model import batches as bt
 from admm_dist.model import objectives as obj
 from admm_dist.model.adapter import BOnlyLoRA
@@ -61,24 +61,23 @@ if TYPE_CHECKING:
     from admm_dist.testing.faults import FaultPlan
 
 
-def build_communicator(cfg: TrainConfig, ctx: DistContext) -> Tuple[Communicator, SeatGroup]:
+def build_communicator(cfg: TrainConfig, ctx: DistContext, placement: Placement) -> Tuple[Communicator, SeatGroup]:
     """The communicator of this launch and this rank's seat group: a block of nodes per rank
     under torchrun (W <= N), or k ranks per node (W = k x N, the leaders carrying the consensus);
-    all nodes in one process otherwise. Any other W is refused, naming the nearest valid ones."""
-    n = cfg.n_nodes()
-    seat, leaders, k = SeatGroup(), None, 1
+    all nodes in one process otherwise (``placement`` has refused any other W)."""
+    n, k = cfg.n_nodes(), placement.k
+    seat, leaders = SeatGroup(), None
     if ctx.env.is_distributed:
         if cfg.backend == "local":
             raise UserError("--backend local runs every node in one process: launch it "
                             "without torchrun (python -m admm_dist.train ...)")
-        k = Placement(n, ctx.world_size).k
         if k > 1:
-            SeatGroup(k, group=object()).check(cfg.micro_batches)
+            check_micro_batches(cfg.micro_batches, k)
             if cfg.shard_backbone and (pipeline.needs_collection(cfg) or cfg.recollect_every):
                 raise UserError("shard_backbone=true with on-policy collection: the ranks of a seat generate "
                                 "different rollouts, which a sharded backbone cannot serve; collect without it "
                                 "(drop shard_backbone=) or train from a fit set (fitset_cache=)")
-            seat, leaders = seat_groups(Placement(n, ctx.world_size), ctx.timeout)
+            seat, leaders = seat_groups(placement, ctx.timeout)
         backend = "process_group"
     else:
         if cfg.backend == "process_group":
@@ -137,8 +136,8 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.comm, self.seat = build_communicator(self.cfg, self.ctx)
-        self.placement = Placement(cfg.n_nodes(), self.ctx.world_size)
+        self.placement = Placement(cfg.n_nodes(), self.ctx.world_size)   # refuses a W it cannot place
+        self.comm, self.seat = build_communicator(self.cfg, self.ctx, self.placement)
         self.control = control_for(self.ctx, self.placement.rank_blocks())
         if self.ctx.env.is_distributed:
             self.talk(f"placement: {self.placement.describe()}")
@@ -154,6 +153,8 @@ class Trainer:
         self.model = self.adapter.model
         if cfg.shard_backbone and self.seat.k > 1:
             shard_backbone(self.adapter, self.seat.group, self.ctx.device.type)
+        elif cfg.shard_backbone:
+            self.talk("shard_backbone: one rank per seat, so nothing is sharded (launch k x seats ranks)")
         # Checkpointing trades compute for activation memory: on by default on GPU; a CPU
         # run has the memory and would only pay the recomputation (about +50% per step).
         if not cfg.no_grad_checkpointing and self.ctx.device.type == "cuda":

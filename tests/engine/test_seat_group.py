@@ -9,7 +9,7 @@ from admm_dist.data.fitset import Example
 from admm_dist.data.sampler import RoleBalancedSampler
 from admm_dist.engine.launcher import launch_cpu
 from admm_dist.engine.placement import Placement
-from admm_dist.engine.seat_group import SeatGroup, parts
+from admm_dist.engine.seat_group import SeatGroup, check_micro_batches, parts
 from admm_dist.model import batches as bt
 from admm_dist.model import objectives as obj
 from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
@@ -37,8 +37,8 @@ def test_parts_are_contiguous_in_order_and_a_seat_group_needs_k_to_divide_them()
     with pytest.raises(UserError, match="between 1 and batch_size"):
         parts([1, 2], 3)
     assert list(SeatGroup().my_parts(4)) == [0, 1, 2, 3]
-    with pytest.raises(UserError, match="multiple of 2"):
-        SeatGroup(2, 1, group=object()).my_parts(3)
+    with pytest.raises(UserError, match="micro_batches=3 with 2 ranks per seat: set micro_batches to a multiple of 2"):
+        check_micro_batches(3, 2)
     with pytest.raises(UserError, match="micro_batches=3 > batch_size=2"):
         TrainConfig(micro_batches=3, batch_size=2)
 

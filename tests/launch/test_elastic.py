@@ -66,6 +66,11 @@ def assets(tmp_path_factory):
     return tiny_assets(tmp_path_factory.mktemp("assets"), N)
 
 
+@pytest.fixture(scope="module")
+def two_seats(tmp_path_factory):
+    return tiny_assets(tmp_path_factory.mktemp("assets2"), 2)
+
+
 @pytest.fixture
 def net():
     why = netns_missing()
@@ -160,6 +165,18 @@ def rounds(hosts: List[Host], since: float = 0.0) -> List[Tuple[float, int]]:
 
 @pytest.mark.timeout(600)
 def test_elastic_job_loses_a_host_goes_on_and_takes_it_back_bit_for_bit(net, assets, tmp_path):
+    _elastic(net, assets, tmp_path, N)
+
+
+@pytest.mark.timeout(600)
+def test_an_elastic_job_of_two_ranks_per_seat_goes_on_at_one_and_takes_the_host_back(net, two_seats, tmp_path):
+    """2 seats, 2 hosts x 2 ranks: k = 2, each seat's group on one host. With host 1 gone the
+    survivors go on at W = 2 (k = 1, a seat per rank); host 1 back, at k = 2 again. With
+    micro_batches=2 the numbers are the same at every W: the end is the uninterrupted run's."""
+    _elastic(net, two_seats, tmp_path, 2, micro_batches=2)
+
+
+def _elastic(net, assets, tmp_path, n, **extra):
     t0 = time.monotonic()
     port = free_port()
     # torchrun orders the agents of a rendezvous by --local-addr: host 1 ("alpha") sorts first,
@@ -171,7 +188,7 @@ def test_elastic_job_loses_a_host_goes_on_and_takes_it_back_bit_for_bit(net, ass
     # 2.13's rank-0 agent never publishes the store's address to a host that joins later)
     env = dict(os.environ, GLOO_SOCKET_IFNAME=net.ifname[0], OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                PYTHONUNBUFFERED="1", LOGLEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    args = run_args(assets, tmp_path / "cut", timeout_s=TIMEOUT_S)
+    args = run_args(assets, tmp_path / "cut", timeout_s=TIMEOUT_S, **extra)
     hosts: List[Host] = []
 
     def host(i: int, attempt: int) -> Host:
@@ -189,7 +206,7 @@ def test_elastic_job_loses_a_host_goes_on_and_takes_it_back_bit_for_bit(net, ass
         try:
             # the reference: this host, uninterrupted, same config (once per test session: the
             # SLURM elastic test of test_multinode.py runs the same one)
-            ref = reference(assets, tmp_path / "ref", **ELASTIC_ARGS)
+            ref = reference(assets, tmp_path / "ref", **ELASTIC_ARGS, **extra)
             t_ref = time.monotonic()
 
             h0, h1 = host(0, 0), host(1, 0)
@@ -233,7 +250,7 @@ def test_elastic_job_loses_a_host_goes_on_and_takes_it_back_bit_for_bit(net, ass
     # the survivors' rank 0 took over the lock of the dead rank 0 on host 1 (same torchrun run)
     took = [s for t, s in h0.snapshot() if t >= t_kill and "took over the lock of an earlier attempt of this job" in s]
     assert took and f"on host {names[1]}" in took[0], logs
-    # host 0's agent re-formed the world alone (one host: W = 2 ranks for 4 nodes) ...
+    # host 0's agent re-formed the world alone (one host: W = 2 ranks for n nodes) ...
     rdzv = [(t, int(m.group(1))) for t, s in h0.snapshot() if (m := re.search(r"group_world_size=(\d+)", s))]
     assert [w for t, w in rdzv if t_kill <= t < survived[0][0]] == [1], logs
     # ... and with both hosts when host 1 came back
@@ -242,7 +259,7 @@ def test_elastic_job_loses_a_host_goes_on_and_takes_it_back_bit_for_bit(net, ass
     both = h1b.rounds(since=back[0])    # rank 0 is on host 1 again
     assert both and both[-1][1] == K and not h0.rounds(since=back[0]), logs
     rejoin = both[0][0] - t_back
-    assert_same_outputs(tmp_path / "cut", ref, range(N))
-    print(f"elastic test: {t_end - t0:.1f} s (reference {t_ref - t0:.1f} s); killed host 1 after round {KILL_AT}: "
+    assert_same_outputs(tmp_path / "cut", ref, range(n))
+    print(f"elastic test ({n} seats, 2 hosts x 2 ranks): {t_end - t0:.1f} s (reference {t_ref - t0:.1f} s); killed host 1 after round {KILL_AT}: "
           f"the survivors completed round {survived[0][1]} {stall:.1f} s later; host 1 restarted after round "
           f"{survived[BACK_AFTER - 1][1]}: first round with both hosts (round {both[0][1]}) {rejoin:.1f} s later")
