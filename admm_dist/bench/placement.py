@@ -1,9 +1,11 @@
-"""Placement benchmark: the same training run at world sizes W = 1, 2, 4, side by side.
+"""Placement benchmark: the same training run at world sizes W = 1, N and 2N, side by side, and
+the memory a seat group's ranks hold at k = 1, 2, 4 ranks per seat, with and without sharding.
 
 Run::
 
-    python -m admm_dist.bench.placement [--worlds 1,2,4] [--config FILE.yaml] [--out DIR]
-                                        [--json PATH] [--timeout 1800] [key=value ...]
+    python -m admm_dist.bench.placement [--worlds 1,4,8] [--config FILE.yaml] [--out DIR]
+                                        [--json PATH] [--timeout 1800] [--no-rounds]
+                                        [--memory standin,smollm2] [--memory-ks 1,2,4] [key=value ...]
 
 What it measures: what the number of ranks W costs or saves for one training run whose N
 nodes (seats) are spread over W ranks in contiguous blocks (docs/placement.md), and that W
@@ -52,6 +54,21 @@ Figures per W (one table row; all of them and more in ``--json``):
   bytes are not hashed: its metadata names paths). The last line says whether every W gave
   the same hash: placement must not change the numbers (docs/placement.md).
 
+When a W of ``--worlds`` is k > 1 ranks per seat (W = k x N), every run gets ``micro_batches=K``
+(K the largest such k) unless the overrides set it: a seat's k ranks share its minibatch's parts,
+and every W must cut the minibatch alike to give the same bits. On a machine with fewer cores
+than ranks, the W ranks of a run share the cores; the round times then say what the placement
+costs in overhead, not what k devices would gain.
+
+The memory table (``--memory``, after the runs; ``--no-rounds`` for it alone): for each model
+(``standin``: assets/standin; ``smollm2``: assets/smollm2 once built, skipped with the command
+that builds it otherwise; or a model folder) and each k of ``--memory-ks``, one seat group of k
+ranks under torchrun loads the backbone through the trainer's loader, whole and, for k > 1,
+sharded (:mod:`admm_dist.bench.placement_memory`). Per rank, the largest over the group: the
+backbone's and the adapter's parameter bytes held, the resident set before the model and once
+the adapter is built, and the peak. The last lines say whether the backbone bytes per rank at
+the largest k, sharded, are at most 0.30 of k = 1's.
+
 ``DIR`` (``--out``) is the scratch folder, its ``wW`` subfolders replaced on every invocation;
 without ``--out`` a temporary folder is used and removed after a successful run (kept, and
 named, after a failure). ``--json PATH`` writes the settings, the per-W figures and the
@@ -71,10 +88,13 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
-from admm_dist.bench.common import Column, CpuWindow, descendants, format_rows, load_str, loadavg, num
+from admm_dist.bench.common import Column, CpuWindow, descendants, format_rows, load_str, loadavg, num, write_json
+from admm_dist.bench.placement_memory import DEFAULT_MEMORY, DEFAULT_MEMORY_KS, format_memory, run_memory
+from admm_dist.core.errors import UserError
 
 DEFAULT_CONFIG = "configs/cpu/standin_onpolicy.yaml"
-DEFAULT_WORLDS = (1, 2, 4)
+DEFAULT_WORLDS = (1, 4, 8)          # one process, W = N and W = 2N for the CPU default's 4 seats
+
 DEFAULT_TIMEOUT_S = 1800.0
 RUN_NAME = "run"
 OWN_KEYS = ("out", "report_dir")
@@ -164,6 +184,23 @@ def launch(world: int, cmd: Sequence[str], log_path: str, timeout_s: float) -> D
         raise PlacementError(f"W={world}: the training command {what} after {wall:.1f} s: {_gist(log_path)} "
                              f"(log {log_path})", "\n".join(tail))
     return {"wall_s": round(wall, 2), "other_processes_cores": None if other is None else round(other, 3)}
+
+
+def seat_overrides(worlds: Sequence[int], config: str, overrides: Sequence[str]) -> List[str]:
+    """``micro_batches=K`` for every run when a W of ``worlds`` is K > 1 ranks per seat and the
+    overrides set none: a seat's K ranks share its minibatch's K parts, and every W must split
+    the minibatch alike for the runs to give the same bits (docs/placement.md)."""
+    if any(o.split("=", 1)[0] == "micro_batches" for o in overrides):
+        return []
+    from admm_dist.core import config_file
+    from admm_dist.training.config import TrainConfig
+
+    try:
+        n = config_file.load(TrainConfig, ["--config", config, *overrides]).n_nodes()
+    except UserError:
+        return []            # the first run says what is wrong, with its log
+    ks = [w // n for w in worlds if w > n]
+    return [f"micro_batches={max(ks)}"] if ks else []
 
 
 # --------------------------------------------------------------------------- results
@@ -265,7 +302,13 @@ def run(worlds: Sequence[int], *, config: str = DEFAULT_CONFIG, out: str, overri
 
 
 def _blocks(placement: Optional[Sequence[Sequence[int]]]) -> str:
-    return "?" if not placement else ",".join(str(len(b)) for b in placement)
+    """Nodes per rank (W <= N), or the ranks per seat of seat groups (W = k x N)."""
+    if not placement:
+        return "?"
+    seats = [n for b in placement for n in b]
+    if len(seats) > len(set(seats)):
+        return f"{len(seats) // len(set(seats))}/seat"
+    return ",".join(str(len(b)) for b in placement)
 
 
 COLUMNS = (
@@ -307,6 +350,10 @@ def _worlds(text: str) -> List[int]:
     return ws
 
 
+def _names(text: str) -> List[str]:
+    return [] if text.strip() == "none" else [x.strip() for x in text.split(",") if x.strip()]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m admm_dist.bench.placement", description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=_worlds, default=list(DEFAULT_WORLDS),
@@ -317,6 +364,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the settings and the figures here (a JSON dict), atomically")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                     help=f"seconds one training command may take (default {DEFAULT_TIMEOUT_S:.0f})")
+    ap.add_argument("--no-rounds", action="store_true", help="skip the training runs (the memory table only)")
+    ap.add_argument("--memory", type=_names, default=list(DEFAULT_MEMORY),
+                    help="models of the memory table: standin, smollm2 or a model folder, comma-separated; "
+                         "none to skip it (default standin,smollm2; smollm2 only once built)")
+    ap.add_argument("--memory-ks", type=_worlds, default=list(DEFAULT_MEMORY_KS),
+                    help="ranks per seat of the memory table (default 1,2,4; 1 is the reference)")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="overrides passed to every training command")
     a = ap.parse_args(argv)
     bad = [o for o in a.overrides if "=" not in o]
@@ -329,20 +382,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"--config {a.config} does not exist: pass a file from configs/ (run from the repository root)")
     if a.timeout <= 0:
         ap.error("--timeout must be positive")
-    from admm_dist.bench.common import write_json
-
+    if 1 not in a.memory_ks and a.memory:
+        ap.error("--memory-ks must include 1: the table compares every k with one rank per seat")
     out = a.out or tempfile.mkdtemp(prefix="placement-")
-    print(f"# placement benchmark: {a.config} at W = {','.join(map(str, a.worlds))}, one after another"
-          + (f"; overrides {' '.join(a.overrides)}" if a.overrides else "") + f"; runs in {out}", flush=True)
-    print(f"# load average (1/5/15 min) before: {load_str()}", flush=True)
+    log = lambda *x: print(*x, flush=True)   # noqa: E731
+    overrides = list(a.overrides) + seat_overrides(a.worlds, a.config, a.overrides)
+    r: Dict[str, Any] = {"runs": [], "same_sha256": True}
     try:
-        r = run(a.worlds, config=a.config, out=out, overrides=a.overrides, timeout_s=a.timeout,
-                log=lambda *x: print(*x, flush=True))
+        if not a.no_rounds:
+            print(f"# placement benchmark: {a.config} at W = {','.join(map(str, a.worlds))}, one after another"
+                  + (f"; overrides {' '.join(overrides)}" if overrides else "") + f"; runs in {out}", flush=True)
+            print(f"# load average (1/5/15 min) before: {load_str()}; on {os.cpu_count()} cores the W ranks of a "
+                  f"run share them", flush=True)
+            r = run(a.worlds, config=a.config, out=out, overrides=overrides, timeout_s=a.timeout, log=log)
+        memory = run_memory(a.memory, a.memory_ks, config=a.config, out=out, timeout_s=a.timeout, launch=launch,
+                            log=log)
     except PlacementError as e:
         print(f"placement: error: {e.line}", file=sys.stderr)
         if e.tail:
             print("".join(f"#   {line}\n" for line in e.tail.splitlines()), end="", file=sys.stderr)
         return 2
+    r["memory"] = memory
+    if memory:
+        print(format_memory(memory))
+    if a.no_rounds:
+        if a.json:
+            write_json(a.json, r)
+        return 0
     print(format_table(r["runs"]))
     print("sha256 of the -last tensors: " + (f"the same at every W ({r['sha256']})" if r["same_sha256"] else
                                              "DIFFERS between W: " + ", ".join(f"W={x['world']} {x['sha256'][:16]}"

@@ -88,14 +88,20 @@ class SeatGroup:
         per = micro_batches // self.k
         return range(self.index * per, self.index * per + per)
 
+    def gather(self, row: torch.Tensor, what: str = "the seat group's gather") -> torch.Tensor:
+        """Every rank's ``row`` (one shape on every rank), stacked in group order: [k, ...]."""
+        if self.k == 1:
+            return row.unsqueeze(0)
+        every = [torch.empty_like(row) for _ in range(self.k)]
+        wait_all([dist.all_gather(every, row.contiguous(), group=self.group, async_op=True)],
+                 self.timeout, what, dist.get_rank())
+        return torch.stack(every)
+
     def ordered_sum(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's rows ([M / k, width], one per part of :meth:`my_parts`) -> the sum of every
         part's row in part order, on every rank of the group."""
         if self.k > 1:
-            every = [torch.empty_like(rows) for _ in range(self.k)]
-            wait_all([dist.all_gather(every, rows.contiguous(), group=self.group, async_op=True)],
-                     self.timeout, "the seat group's gather of micro-batch gradients", dist.get_rank())
-            rows = torch.cat(every, 0)
+            rows = self.gather(rows, "the seat group's gather of micro-batch gradients").flatten(0, 1)
         total = rows[0].clone()
         for row in rows[1:]:
             total.add_(row)

@@ -60,7 +60,8 @@ import torch
 from admm_dist.core.config_file import key
 from admm_dist.core.text import is_int
 from admm_dist.model.fused_lora import install_fused_forward
-from admm_dist.model.vectors import AdapterError, load_vector, save_vector
+from admm_dist.model.sharding import whole
+from admm_dist.model.vectors import AdapterError, backbone_identity, load_vector, save_vector
 
 LORA_TARGETS: Dict[str, Tuple[str, ...]] = {
     "attn_qv": ("q_proj", "v_proj"),
@@ -264,10 +265,14 @@ class BOnlyLoRA:
             off += n
         self._numel = total
         self.check_aliasing()
-        self.backbone_id: Optional[Dict[str, Any]] = None   # model.vectors.backbone_identity, once read
-        base = self.model.get_base_model()   # ||W||^2 of each adapted projection, in layout order:
-        self.base_sq = [float(base.get_submodule(name).base_layer.weight.float().pow(2).sum())   # frozen, and
-                        for name, _, _ in self._layout]   # whole here even once the backbone is sharded
+        # What is read of the frozen backbone, read once, now (a sharded weight is gathered by
+        # every rank of its group, in the same order): ||W||^2 of each adapted projection, in
+        # layout order, for delta_w_rel, and the digest saved vectors record.
+        base = self.model.get_base_model()
+        self.base_sq = [float(whole(base.get_submodule(name).base_layer.weight).float().pow(2).sum())
+                        for name, _, _ in self._layout]
+        self.backbone_id: Optional[Dict[str, Any]] = None
+        self.backbone_id = backbone_identity(self)
         if fast_path:
             for _, mod in lora_layers:
                 install_fused_forward(mod, ADAPTER_NAME)

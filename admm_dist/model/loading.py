@@ -17,9 +17,11 @@ def check_model_src(src: str, what: str = "--model_name") -> bool:
     return local
 
 
-def load_model(src: str, device, *, what: str = "--model_name"):
+def load_model(src: str, device, *, what: str = "--model_name", shard_over=None):
     """(model, tokenizer) from a local folder or a hub id, in eval mode on ``device``
-    (bf16 on CUDA, fp32 on CPU); a model that cannot be loaded is one UserError."""
+    (bf16 on CUDA, fp32 on CPU); a model that cannot be loaded is one UserError. With
+    ``shard_over`` (a process group) each of its ranks loads only its shard of every weight
+    (:func:`admm_dist.model.sharding.load_sharded`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -28,10 +30,17 @@ def load_model(src: str, device, *, what: str = "--model_name"):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         tok = AutoTokenizer.from_pretrained(src, local_files_only=local)
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=local)
+        if shard_over is not None:
+            from admm_dist.model.sharding import load_sharded
+
+            model = load_sharded(src, device, shard_over, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, local_files_only=local)
+    except UserError:
+        raise
     except Exception as exc:  # transformers raises OSError, ValueError, hub errors...
         raise UserError(f"{what} {src}: cannot load it ({type(exc).__name__}: {one_line(exc)[:160]}): "
                         f"give a local model folder or a reachable hub id") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return model.to(device).eval(), tok
+    return (model if shard_over is not None else model.to(device)).eval(), tok

@@ -149,13 +149,20 @@ def token_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 def precompute_reference(model: torch.nn.Module, encoded: Sequence[Encoded], *,
                          batch_size: int, ref_context: Callable[[], ContextManager],
                          pad_id: int = 0, force: bool = False, show: bool = False,
-                         desc: str = "reference log-probs") -> int:
+                         desc: str = "reference log-probs", part: Tuple[int, int] = (0, 1),
+                         gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> int:
     """Store the reference per-token log-probs on every record of ``encoded`` that has none
     (all of them with ``force``): under ``ref_context()``, ``torch.no_grad()`` and eval mode,
     in batches of ``batch_size`` records sorted by length (less padding; with right
     padding a row's values do not depend on its batch mates, up to float rounding).
     Returns the number of records computed; 0 forwards when every record already has its
-    reference. ``show``: a progress bar (:mod:`admm_dist.core.progress`) over the records."""
+    reference. ``show``: a progress bar (:mod:`admm_dist.core.progress`) over the records.
+
+    ``part=(j, k)`` with ``gather``: the k ranks of a seat group share the work. Batch b runs on
+    rank b mod k, the same batches as with k = 1, so the same bits; every rank runs the same
+    number of forwards (the last batch again where it has one fewer: a sharded backbone's
+    forwards are collectives). ``gather`` (a [n] vector -> every rank's, [k, n]) then hands each
+    rank every record's values."""
     if batch_size < 1:
         raise UserError(f"batch_size={batch_size} must be >= 1")
     todo = [e for e in encoded if force or not e.has_reference]
@@ -167,20 +174,47 @@ def precompute_reference(model: torch.nn.Module, encoded: Sequence[Encoded], *,
     try:
         with ref_context(), torch.no_grad(), progress.bar(total=len(todo), desc=desc, unit="ex",
                                                           show=show, leave=False) as shown:
-            for s in range(0, len(todo), batch_size):
-                chunk = todo[s:s + batch_size]
+            batches = [todo[s:s + batch_size] for s in range(0, len(todo), batch_size)]
+            j, k = part
+            for b in range(j, -(-len(batches) // k) * k, k):
+                chunk = batches[min(b, len(batches) - 1)]
                 for e in chunk:          # collate ignores partial references anyway
                     e.ref_logps = e.rejected_ref_logps = None
-                b = collate(chunk, pad_id)
-                lp = token_logps(model, b).cpu()
-                for k, e in enumerate(chunk):
-                    e.ref_logps = lp[k, :len(e.target_ids)].clone()
+                lp = token_logps(model, collate(chunk, pad_id)).cpu()
+                for i, e in enumerate(chunk):
+                    e.ref_logps = lp[i, :len(e.target_ids)].clone()
                     if e.paired:
-                        e.rejected_ref_logps = lp[len(chunk) + k, :len(e.rejected_ids)].clone()
+                        e.rejected_ref_logps = lp[len(chunk) + i, :len(e.rejected_ids)].clone()
                 shown.update(len(chunk))
+            if k > 1:
+                _share_reference(batches, j, k, gather)
     finally:
         model.train(was_training)
     return len(todo)
+
+
+def _share_reference(batches: Sequence[Sequence[Encoded]], j: int, k: int,
+                     gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Every record's reference values from the rank that computed them (batch b's: rank b mod k)."""
+    mine = torch.zeros(sum(len(e.target_ids) + (len(e.rejected_ids) if e.paired else 0)
+                           for chunk in batches for e in chunk), dtype=torch.float32)
+    at = 0
+    for b, chunk in enumerate(batches):
+        for e in chunk:
+            n, m = len(e.target_ids), (len(e.rejected_ids) if e.paired else 0)
+            if b % k == j:
+                mine[at:at + n] = e.ref_logps
+                if m:
+                    mine[at + n:at + n + m] = e.rejected_ref_logps
+            at += n + m
+    every = gather(mine)
+    at = 0
+    for b, chunk in enumerate(batches):
+        for e in chunk:
+            n, m = len(e.target_ids), (len(e.rejected_ids) if e.paired else 0)
+            e.ref_logps = every[b % k, at:at + n].clone()
+            e.rejected_ref_logps = every[b % k, at + n:at + n + m].clone() if m else None
+            at += n + m
 
 
 # ----------------------------------------------------------------------------- objectives

@@ -30,6 +30,7 @@ import torch
 
 from admm_dist.core.errors import UserError
 from admm_dist.core.io import atomic_write_bytes
+from admm_dist.model.sharding import whole
 
 if TYPE_CHECKING:
     from admm_dist.model.adapter import BOnlyLoRA
@@ -151,8 +152,9 @@ def backbone_identity(adapter: Any) -> Optional[Dict[str, Any]]:
     :data:`BACKBONE_SAMPLES` evenly spaced values rounded to bf16 (the same on CPU in fp32 and on
     a GPU in bf16; cheap for an 8B model). Two backbones of one shape (a fine-tune, another
     seed) differ in ``weights``. None for an adapter-like object without a ``model``. The backbone
-    is frozen: the identity is computed once per adapter and kept (a sharded backbone,
-    :mod:`admm_dist.model.sharding`, is read before it is sharded)."""
+    is frozen: the identity is computed once per adapter and kept. :class:`BOnlyLoRA` computes it
+    when it is built, so a sharded backbone (:mod:`admm_dist.model.sharding`) is gathered then, on
+    every rank of its group, and never again."""
     model = getattr(adapter, "model", None)
     if model is None or not hasattr(model, "named_parameters"):
         return None
@@ -164,7 +166,7 @@ def backbone_identity(adapter: Any) -> Optional[Dict[str, Any]]:
     params = sorted((n.replace(".base_layer.", "."), p) for n, p in base.named_parameters()
                     if "lora_" not in n and not p.is_meta)
     for n, p in params:
-        flat = p.detach().reshape(-1)
+        flat = whole(p.detach()).reshape(-1)   # a sharded weight gathered, one at a time
         step = max(1, flat.numel() // BACKBONE_SAMPLES)
         sample = flat[::step][:BACKBONE_SAMPLES].to("cpu").float().to(torch.bfloat16).float()
         h.update(f"{n}:{tuple(p.shape)}:".encode())

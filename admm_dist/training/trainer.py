@@ -33,18 +33,21 @@ from admm_dist.core.errors import UserError
 from admm_dist.data import fitset as fs
 from admm_dist.data.sampler import RoleBalancedSampler
 from admm_dist.engine.admm import ADMMEngine, RoundRecord
-from admm_dist.engine.comm import TELEMETRY, Communicator, make_communicator
+from admm_dist.engine.comm import CONSENSUS, IN_PROCESS, TELEMETRY, Communicator, make_communicator
 from admm_dist.engine.control import Control, control_for
 from admm_dist.engine.dist import DistContext, seat_groups
 from admm_dist.engine.placement import Placement
 from admm_dist.engine.preemption import Preempted, PreemptionFlag, agree
-from admm_dist.engine.seat_group import SeatGroup, check_micro_batches
+from admm_dist.engine.seat_group import SEAT, SeatGroup, check_micro_batches
 from admm_dist.model import batches as bt
 from admm_dist.model import objectives as obj
 from admm_dist.model.adapter import BOnlyLoRA
 from admm_dist.model.loading import load_model
 from admm_dist.model.objectives import ObjectiveConfig
-from admm_dist.model.sharding import held_bytes, shard_backbone
+from admm_dist.model.sharding import held_bytes
+
+MEMORY_FIGURES = ("backbone_bytes", "adapter_bytes", "peak_rss_start")   # the report's, per rank
+BYTE_PHASES = (CONSENSUS, IN_PROCESS, SEAT, TELEMETRY)                   # bytes_per_rank's
 from admm_dist.model.vectors import check_same_basis, hash_to_int64_row, int64_row_to_hash, load_vector
 from admm_dist.training import checkpoint as ckpt
 from admm_dist.training import pipeline, resume
@@ -148,13 +151,11 @@ class Trainer:
         if not collecting:  # a bad fit set fails before any weights load
             self.shards, self.dev_set = self.shard(self.read_fitset())
         self.collections.check_backend(collecting)   # and so does a missing vLLM
+        if cfg.shard_backbone and self.seat.k == 1:
+            self.talk("shard_backbone: one rank per seat, so nothing is sharded (launch k x seats ranks)")
         model, self.tokenizer = self.load_backbone()
         self.adapter = BOnlyLoRA(model, cfg.adapter_config())
         self.model = self.adapter.model
-        if cfg.shard_backbone and self.seat.k > 1:
-            shard_backbone(self.adapter, self.seat.group, self.ctx.device.type)
-        elif cfg.shard_backbone:
-            self.talk("shard_backbone: one rank per seat, so nothing is sharded (launch k x seats ranks)")
         # Checkpointing trades compute for activation memory: on by default on GPU; a CPU
         # run has the memory and would only pay the recomputation (about +50% per step).
         if not cfg.no_grad_checkpointing and self.ctx.device.type == "cuda":
@@ -180,8 +181,10 @@ class Trainer:
         self.outputs.check(self.control)
 
     def load_backbone(self):
-        """The backbone and tokenizer (bf16 on GPU, fp32 on CPU), through the one loader."""
-        model, tok = load_model(self.cfg.model_name, self.ctx.device)
+        """The backbone and tokenizer (bf16 on GPU, fp32 on CPU), through the one loader; with
+        ``shard_backbone`` each rank of a seat reads only its shard (:mod:`admm_dist.model.sharding`)."""
+        shard = self.seat.group if self.cfg.shard_backbone and self.seat.k > 1 else None
+        model, tok = load_model(self.cfg.model_name, self.ctx.device, shard_over=shard)
         model.config.use_cache = False
         return model, tok
 
@@ -259,12 +262,14 @@ class Trainer:
 
     def reference(self, enc, vec: Optional[torch.Tensor]) -> None:
         """Reference log-probs, once per example: under the adapter state ``vec`` (``kl_ref
-        collect``: the policy that collected them), or adapters off (None)."""
+        collect``: the policy that collected them), or adapters off (None); a seat's k ranks
+        compute a batch each in turn and share them."""
         if vec is not None:
             self.adapter.load_vector(vec)
         ctx = (lambda: contextlib.nullcontext(self.model)) if vec is not None else self.adapter.disabled
         obj.precompute_reference(self.model, enc, batch_size=max(1, self.cfg.batch_size), ref_context=ctx,
-                                 pad_id=self.tokenizer.pad_token_id, show=self.show)
+                                 pad_id=self.tokenizer.pad_token_id, show=self.show,
+                                 part=(self.seat.index, self.seat.k), gather=self.seat.gather)
 
     # ------------------------------------------------------------------ x-step
     def xstep(self, node: int, x: torch.Tensor, centre: Optional[torch.Tensor], rho: float) -> float:
@@ -296,8 +301,8 @@ class Trainer:
         self.report.numel = self.adapter.numel
         self.report.basis_hash = self.adapter.basis_hash()
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux counts KiB
-        held = self.control.per_rank([held_bytes(self.model), rss])   # every rank's, once loaded
-        self.report.memory = {"param_bytes": [r[0] for r in held], "peak_rss_start": [r[1] for r in held]}
+        held = self.control.per_rank([*held_bytes(self.model), rss])   # every rank's, once loaded
+        self.report.memory = {key: [int(r[i]) for r in held] for i, key in enumerate(MEMORY_FIGURES)}
         if cfg.dry_run:
             self.talk("dry run: fit sets built, stopping before any gradient step")
             self.outputs.write_report(self.reported(), "dryrun")
@@ -413,6 +418,10 @@ class Trainer:
         report.comm_bytes_per_round_per_node = [r.bytes_sent for r in hist]
         report.backend = self.comm.__class__.__name__
         report.placement = [list(b) for b in self.placement.rank_blocks()]
+        counts = [self.comm.meter.total(phase=phase) for phase in BYTE_PHASES]   # this rank's, the whole run
+        cols = list(zip(*self.control.per_rank([n for c in counts for n in (c.sent, c.recv)])))   # every rank's
+        report.bytes_per_rank = {ph: {"sent": [int(v) for v in cols[2 * i]], "recv": [int(v) for v in cols[2 * i + 1]]}
+                                 for i, ph in enumerate(BYTE_PHASES)}
         report.train_sec = round(time.time() - self.t_start, 2)
         deploy_local = cfg.local_only or not self.comm.exact
         result = [self.engine.x[j] if cfg.local_only else self.engine.z[j] for j in range(len(self.nodes))]

@@ -10,6 +10,7 @@ from conftest import REPO
 from safetensors.torch import save_file
 
 from admm_dist.bench import placement as pl
+from admm_dist.bench import placement_memory as pm
 
 
 def test_the_hash_is_of_the_tensors_bytes_in_key_order_not_of_the_file(tmp_path):
@@ -53,6 +54,7 @@ def test_the_command_is_plain_python_at_one_rank_and_torchrun_above():
     (["k_outer"], "write key=value"),
     (["--worlds", "1,0"], "distinct world sizes of at least 1"),
     (["--config", "nope.yaml"], "nope.yaml does not exist"),
+    (["--memory-ks", "2,4"], "--memory-ks must include 1"),
 ])
 def test_bad_arguments_are_refused_before_any_run(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
@@ -73,7 +75,7 @@ def test_one_and_two_ranks_give_the_same_result(tiny_assets, tmp_path, capsys):
     W = 2 (torchrun, blocks of 2) hash alike; the table and the JSON hold the figures."""
     summary = tmp_path / "placement.json"
     rc = pl.main(["--worlds", "1,2", "--config", str(REPO / "configs" / "cpu" / "admm_ring.yaml"),
-                  "--out", str(tmp_path / "runs"), "--json", str(summary), "--timeout", "240",
+                  "--out", str(tmp_path / "runs"), "--json", str(summary), "--timeout", "240", "--memory", "none",
                   *_overrides(tiny_assets(4))])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -104,9 +106,51 @@ def test_a_failed_run_stops_the_benchmark_with_one_line_and_its_log(tiny_assets,
     overrides = _overrides(tiny_assets(4), no_such_key=1)
     capsys.readouterr()      # building the assets (first use in this process) prints a progress bar
     rc = pl.main(["--worlds", "1", "--config", str(REPO / "configs" / "cpu" / "admm_ring.yaml"),
-                  "--out", str(tmp_path / "runs"), *overrides])
+                  "--out", str(tmp_path / "runs"), "--memory", "none", *overrides])
     err = capsys.readouterr().err
     assert rc == 2
     first = err.splitlines()[0]
     assert first.startswith("placement: error: W=1: the training command exited 2 after ")
     assert "no_such_key" in first and str(tmp_path / "runs" / "w1" / "train.log") in first
+
+
+def test_seat_groups_get_the_micro_batches_of_their_k():
+    ring = str(REPO / "configs" / "cpu" / "admm_ring.yaml")         # 4 seats
+    assert pl.seat_overrides([1, 4, 8], ring, []) == ["micro_batches=2"]
+    assert pl.seat_overrides([1, 8, 16], ring, []) == ["micro_batches=4"]
+    assert pl.seat_overrides([1, 2, 4], ring, []) == []               # blocks of seats: nothing to split
+    assert pl.seat_overrides([8], ring, ["micro_batches=4"]) == []    # the user's own
+    assert pl.seat_overrides([1, 8], ring, ["n_agents=2"]) == ["micro_batches=4"]
+
+
+def test_the_memory_table_compares_every_k_with_one_rank_per_seat():
+    mib = 2 ** 20
+    rows = [dict(model="m", k=k, shard=shard, backbone_bytes=[b * mib] * k, adapter_bytes=[mib] * k,
+                 rss_before=[400 * mib] * k, rss_after=[(400 + b) * mib] * k, peak_rss=[(500 + b) * mib] * k)
+            for k, shard, b in [(1, False, 100), (4, False, 100), (4, True, 26)]]
+    for r in rows:
+        r["param_ratio"] = max(r["backbone_bytes"]) / max(rows[0]["backbone_bytes"])
+    text = pm.format_memory(rows)
+    lines = text.splitlines()
+    assert lines[2].split() == ["m", "1", "no", "100.0", "1.0", "1.000", "400.0", "500.0", "600.0", "200.0"]
+    assert lines[4].split()[:5] == ["m", "4", "yes", "26.0", "1.0"]
+    assert "m: backbone bytes per rank at k=4 sharded = 0.260 of k=1's (bound 0.30: holds)" in text
+    rows[2]["param_ratio"] = 0.31
+    assert "(bound 0.30: DOES NOT HOLD)" in pm.format_memory(rows)
+
+
+@pytest.mark.slow
+def test_the_memory_table_of_the_stand_in_at_one_and_two_ranks_per_seat(tmp_path, capsys):
+    """Real seat groups of 1 and 2 gloo ranks load the shipped stand-in whole and sharded."""
+    summary = tmp_path / "memory.json"
+    rc = pl.main(["--no-rounds", "--memory", "standin", "--memory-ks", "1,2", "--out", str(tmp_path / "runs"),
+                  "--json", str(summary), "--timeout", "240"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = json.loads(summary.read_text())["memory"]
+    assert [(r["k"], r["shard"]) for r in rows] == [(1, False), (2, False), (2, True)]
+    one, two, sharded = rows
+    assert two["backbone_bytes"] == one["backbone_bytes"] * 2 and two["param_ratio"] == 1.0
+    assert 0.45 <= sharded["param_ratio"] <= 0.55 and sharded["adapter_bytes"] == two["adapter_bytes"]
+    assert all(r["peak_rss"][i] >= r["rss_after"][i] > r["rss_before"][i] > 0 for r in rows for i in range(r["k"]))
+    assert "standin: backbone bytes per rank at k=2 sharded = 0." in out and "holds" in out

@@ -142,3 +142,50 @@ def test_four_seats_on_eight_ranks_run_the_oracles_admm_with_the_leaders_carryin
             else:
                 assert torch.equal(z[0], zs[r // 2]) and torch.equal(u[0], us[r // 2]), (mode, compress, r)
             assert last["bytes_sent"] == rec["bytes_sent"], (mode, compress, r)
+
+
+def _seat_wire(ctx, p):
+    """Rank 0's loopback bytes of one round's communication (the leaders' ring, then each leader's
+    broadcast of z to its group) and the meter's count of it, summed over ranks."""
+    from admm_dist.bench.comm_wire import interface_tx_bytes
+    from admm_dist.engine.comm import CONSENSUS, make_communicator
+    from admm_dist.engine.dist import seat_groups
+    from admm_dist.engine.seat_group import SEAT
+
+    placement = Placement(2, ctx.world_size)
+    seat, leaders = seat_groups(placement, ctx.timeout)
+    comm = make_communicator("ring", n_nodes=2, timeout=ctx.timeout, group=leaders, k=placement.k)
+    v = torch.randn(p, generator=torch.Generator().manual_seed(ctx.rank))
+
+    def round_():
+        if seat.leads:
+            comm.consensus_([v])
+        seat.broadcast([v], comm.meter, comm.nodes[0])
+
+    round_()                      # gloo sets its connections up lazily
+    comm.meter.reset()
+    deltas = {False: [], True: []}
+    for _ in range(3):            # the smallest reading with the round minus the smallest without
+        for with_round in (False, True):
+            dist.barrier()
+            before = interface_tx_bytes("lo") if ctx.rank == 0 else 0
+            dist.barrier()
+            if with_round:
+                round_()
+            dist.barrier()
+            deltas[with_round].append((interface_tx_bytes("lo") if ctx.rank == 0 else 0) - before)
+    metered = torch.tensor([float(comm.meter.total(phase=CONSENSUS).sent + comm.meter.total(phase=SEAT).sent)])
+    dist.all_reduce(metered)
+    return min(deltas[True]) - min(deltas[False]), float(metered) / 3
+
+
+def test_the_meter_counts_the_seat_groups_bytes_that_cross_the_loopback_wire():
+    """2 seats on 4 gloo ranks: the leaders' ring and the broadcasts of z to the groups put on the
+    wire what the meter counts (phases consensus and seat_group), within 2%."""
+    from admm_dist.bench.comm_wire import interface_tx_bytes
+
+    if interface_tx_bytes("lo") is None:
+        pytest.skip("no loopback counters in /proc/net/dev")
+    wire, metered = launch_cpu(_seat_wire, 4, 1 << 20, timeout_s=60)[0]     # 4 MiB vectors
+    assert metered == 2 * (4 << 20) + 2 * (4 << 20)   # each leader: half of 4 MiB twice (ring), 4 MiB (broadcast)
+    assert abs(wire / metered - 1) <= 0.02, (wire, metered)
