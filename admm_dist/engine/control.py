@@ -38,7 +38,10 @@ class Control:
         order = [node for b in self.blocks for node in b]   # the gathered rows' nodes, in rank order
         self.n_nodes = len(set(order))
         # a node held by a seat group's k ranks (W = k x N): its first rank's row stands for it
-        self._first = [order.index(node) for node in range(self.n_nodes)]
+        first = {}
+        for row, node in enumerate(order):
+            first.setdefault(node, row)
+        self._first = [first[node] for node in range(self.n_nodes)]
 
     # -- the questions ------------------------------------------------------------------------
     def all(self, yes: bool) -> bool:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from admm_dist import tasks
 from admm_dist.core import progress
 from admm_dist.core.config_file import key
-from admm_dist.core.constants import DEFAULT_TIMEOUT_S, PRESCREEN_SALT
+from admm_dist.core.constants import PRESCREEN_SALT
 from admm_dist.core.errors import UserError
 from admm_dist.data import queries
 from admm_dist.data.fitset import Example, FitSet
@@ -69,12 +69,12 @@ def collect_key(cfg, *, init_sha: str = "none", collection: int = 0) -> Dict[str
 Exchange = Callable[[Any], List[Any]]    # this rank's JSON-able result -> every rank's, in rank order
 
 
-def gather_json(comm, device) -> Exchange:
+def gather_json(comm, device, timeout: datetime.timedelta) -> Exchange:
     """An Exchange over every rank of the default process group: one JSON object per rank, in
     rank order, as a length then padded bytes (no pickle); the bytes are metered as telemetry
-    on this rank's first node. Every rank collects its own chunks, the k ranks of a seat too."""
+    on this rank's first node; every wait is bounded by ``timeout``. Every rank collects its
+    own chunks, the k ranks of a seat too."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    timeout = getattr(comm, "timeout", datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
 
     def gather(t: torch.Tensor) -> List[torch.Tensor]:
         every = [torch.empty_like(t) for _ in range(world)]
@@ -91,7 +91,7 @@ def gather_json(comm, device) -> Exchange:
             buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         comm.meter.add(comm.nodes[0], "all_gather", sent=buf.numel() * (world - 1),
                        recv=buf.numel() * (world - 1), phase=TELEMETRY)
-        return [json.loads(bytes(b[:n].cpu().tolist()).decode()) for b, n in zip(gather(buf), sizes)]
+        return [json.loads(b[:n].cpu().numpy().tobytes().decode()) for b, n in zip(gather(buf), sizes)]
     return exchange
 
 

@@ -66,7 +66,8 @@ class CollectionRunner:
                                   init_sha=pipeline.file_fingerprint(cfg.init_state),
                                   rank=self.ctx.rank if distributed else 0,
                                   world=self.ctx.world_size if distributed else 1,   # a seat's k ranks too
-                                  exchange=gather_json(self.comm, self.ctx.device) if distributed else None)
+                                  exchange=gather_json(self.comm, self.ctx.device, self.ctx.timeout)
+                                  if distributed else None)
         finally:
             model.train(was_training)
 

@@ -122,7 +122,7 @@ def _collect_on_ranks(ctx, credit):
     run = ChainRunner(model, tok, ChainConfig(n_agents=4, words="compact", max_new_tokens=16, batch_size=256))
     comm = make_communicator("coordinator", n_nodes=ctx.world_size, timeout=ctx.timeout)
     col = Collector(run, "chain_arith", SEATS, group=3, credit=credit, seed=4, chunk=2,
-                    rank=ctx.rank, world=ctx.world_size, exchange=gather_json(comm, torch.device("cpu")))
+                    rank=ctx.rank, world=ctx.world_size, exchange=gather_json(comm, torch.device("cpu"), ctx.timeout))
     exs, stats = col.collect(_items(7))
     return json.dumps([dataclasses.asdict(e) for e in exs]), json.dumps(stats, sort_keys=True)
 

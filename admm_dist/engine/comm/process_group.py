@@ -84,9 +84,9 @@ class ProcessGroupCommunicator(Communicator):
         payloads = [h for hops, _ in steps for hop in hops for h in (hop.data, hop.into) if h is not None]
         if self.nccl or not payloads:
             return 1
-        size = max(h.nbytes for h in payloads)
-        k = max(min(2, size // (256 << 10)), -(-size // self.segment_bytes))
-        return max(1, min(k, min(h.numel() for h in payloads), (2 ** 31 - 1) // (len(steps) * self.n_nodes ** 2)))
+        size, tags = max(h.nbytes for h in payloads), (2 ** 31 - 1) // (len(steps) * self.n_nodes ** 2)
+        pieces = max(2 if size >= 512 << 10 else 1, -(-size // self.segment_bytes))   # 2 of >= 256 KiB
+        return max(1, min(pieces, min(h.numel() for h in payloads), tags))   # tags: (step, src, dst, piece)
 
     def _sum_ranks(self, total: torch.Tensor) -> None:
         self._wait([dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group, async_op=True)], "all_reduce")
