@@ -158,8 +158,8 @@ def format_memory(rows: Sequence[Dict[str, Any]]) -> str:
     lines = format_rows(MEMORY_COLUMNS, rows)
     lines.append("per rank of one seat group of k ranks, the largest over its ranks: the parameter bytes it holds "
                  "of the backbone and of the adapter (LoRA A and B, whole on every rank); RSS before = after the "
-                 "imports, before the model; after = once the adapter is built; peak = ru_maxrss then (the sharded "
-                 "load's one-token forward and the backbone digest gather one weight group at a time)")
+                 "imports, before the model; after = once the adapter is built; peak = the most resident by then "
+                 "(the sharded load's one-token forward and the backbone digest gather one weight group at a time)")
     for model in dict.fromkeys(r["model"] for r in rows):
         top = max((r for r in rows if r["model"] == model and r["shard"]), key=lambda r: r["k"], default=None)
         if top is not None:
