@@ -94,7 +94,6 @@ from admm_dist.core.errors import UserError
 
 DEFAULT_CONFIG = "configs/cpu/standin_onpolicy.yaml"
 DEFAULT_WORLDS = (1, 4, 8)          # one process, W = N and W = 2N for the CPU default's 4 seats
-
 DEFAULT_TIMEOUT_S = 1800.0
 RUN_NAME = "run"
 OWN_KEYS = ("out", "report_dir")
@@ -402,22 +401,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if e.tail:
             print("".join(f"#   {line}\n" for line in e.tail.splitlines()), end="", file=sys.stderr)
         return 2
+    if not a.no_rounds:
+        print(format_table(r["runs"]))
+        print("sha256 of the -last tensors: " + (f"the same at every W ({r['sha256']})" if r["same_sha256"] else
+                                                 "DIFFERS between W: " + ", ".join(f"W={x['world']} {x['sha256'][:16]}"
+                                                                                  for x in r["runs"])))
+        load = r["load"]
+        print(f"# load average (1/5/15 min) after the runs: {load_str()}; wall {load['wall_s']:.1f} s on "
+              f"{load['cpu_cores']} cores; other processes used about {num(load['other_processes_cores'], '.2f')} "
+              f"cores on average")
+        r["settings"]["out_kept"] = a.out is not None     # the temporary folder (paths in runs) is removed
     r["memory"] = memory
     if memory:
         print(format_memory(memory))
-    if a.no_rounds:
-        if a.json:
-            write_json(a.json, r)
-        return 0
-    print(format_table(r["runs"]))
-    print("sha256 of the -last tensors: " + (f"the same at every W ({r['sha256']})" if r["same_sha256"] else
-                                             "DIFFERS between W: " + ", ".join(f"W={x['world']} {x['sha256'][:16]}"
-                                                                              for x in r["runs"])))
-    load = r["load"]
-    other = load["other_processes_cores"]
-    print(f"# load average (1/5/15 min) after: {load_str()}; wall {load['wall_s']:.1f} s on {load['cpu_cores']} "
-          f"cores; other processes used about {num(other, '.2f')} cores on average")
-    r["settings"]["out_kept"] = a.out is not None     # the temporary folder (paths in runs) is removed
     if a.json:
         write_json(a.json, r)
     if a.out is None:
