@@ -177,6 +177,8 @@ def eval_argv(args, cfg, *, sampled: bool, n: int) -> List[str]:
             "--adapt_roles", cfg.adapt_roles, "--device", "cpu"]
     if cfg.task_path:
         argv += ["--task_path", cfg.task_path]
+    if cfg.n_ops is not None:
+        argv += ["--n_ops", str(cfg.n_ops)]
     if cfg.think:
         argv += ["--think"]
     if cfg.text_mas_context_length:

@@ -25,7 +25,7 @@ PROG = "admm-dist-evaluate"
 __doc__ = evaluation.__doc__
 # evaluation's flag -> the training key it shares (the same name but for batch_size)
 SHARED = {name: name for name in (
-    "task", "task_path", "model_name", "seed", "n_agents", "prompt", "think", "text_mas_context_length",
+    "task", "task_path", "n_ops", "model_name", "seed", "n_agents", "prompt", "think", "text_mas_context_length",
     "adapt_roles", "max_new_tokens", "top_p", "generation_backend", "agent_models", "device")}
 SHARED["batch_size"] = "gen_batch_size"
 # without --config these stay unset: the deployed run's (--adapter/--state) value applies
@@ -69,6 +69,7 @@ def build_parser() -> EvalParser:
            "prompt settings below default to its values; flags override them")
     _shared(p, "task", f"the task to evaluate: {', '.join(sorted(tasks.REGISTRY))}")
     _shared(p, "task_path")
+    _shared(p, "n_ops")
     a("--split", default=None, metavar="SPLIT", help="task split (default: the task's evaluation split)")
     _shared(p, "model_name")
     _shared(p, "seed", "seed of the pool shuffle and of sampling")

@@ -11,15 +11,34 @@ import random
 from typing import List, Optional, Sequence
 
 from admm_dist import tasks
+from admm_dist.core.constants import MAX_OPS
 from admm_dist.core.errors import UserError
+from admm_dist.core.text import is_int
+
+
+OPS_TASKS = ("chain_arith", "word_arith")   # the tasks whose problems take n_ops operations
+
+
+def check_n_ops(task: str, n_ops: Optional[int]) -> None:
+    """Refuse an ``n_ops`` the task cannot take, naming the fix (None: the task's own)."""
+    if n_ops is None:
+        return
+    if not is_int(n_ops) or not 1 <= n_ops <= MAX_OPS:
+        raise UserError(f"n_ops={n_ops!r}: use an integer from 1 to {MAX_OPS} (operations per problem)")
+    if task not in OPS_TASKS:
+        raise UserError(f"n_ops={n_ops} is for {' and '.join(OPS_TASKS)}, not task {task}: drop n_ops")
 
 
 def pool(task: str, *, seed: int, split: Optional[str] = None, path: Optional[str] = None,
-         n: Optional[int] = None) -> List[dict]:
-    """The task's rows in the seed's order. ``split`` None is the task's evaluation split."""
+         n: Optional[int] = None, n_ops: Optional[int] = None) -> List[dict]:
+    """The task's rows in the seed's order. ``split`` None is the task's evaluation split;
+    ``n_ops`` the operations per problem of chain_arith and word_arith (None: theirs)."""
+    check_n_ops(task, n_ops)
     kw = {"path": path} if path else {}
     if n is not None:
         kw["n"] = n
+    if n_ops is not None:
+        kw["n_ops"] = n_ops
     items = list(tasks.load(task, split=split or "eval", **kw))
     if not items:
         raise UserError(f"task {task} has no rows in split {split or 'eval'}"

@@ -53,7 +53,7 @@ from admm_dist.model.loading import load_model
 COLLECT_KEY = ("task", "prompt", "think", "n_agents", "adapt_roles", "credit", "reward",
                "fit_mode", "anchors", "group", "seed", "downstream_seed", "sink_tokens",
                "max_new_tokens", "temperature", "top_p", "anchor_split", "anchor_pass_band",
-               "anchor_pool", "anchor_offset", "task_path", "text_mas_context_length",
+               "anchor_pool", "anchor_offset", "task_path", "n_ops", "text_mas_context_length",
                "fit_prompt", "agent_models", "prefix_samples", "generation_backend")
 CREDITS = ("shared", "per_role")                 # credit: one reward for the chain, or per seat
 REWARDS = ("outcome", "judge", "gold_likelihood")  # reward: what scores a rollout
@@ -318,7 +318,7 @@ def collect_fitset(cfg, runner: ChainRunner, *, collection: int = 0, init_sha: s
                           fit_prompt=cfg.fit_prompt, rank=rank, world=world,
                           exchange=exchange,
                           progress=None if rank or cfg.quiet else f"collection {collection}")
-    pool = queries.pool(cfg.task, seed=cfg.seed, split=cfg.anchor_split, path=cfg.task_path)
+    pool = queries.pool(cfg.task, seed=cfg.seed, split=cfg.anchor_split, path=cfg.task_path, n_ops=cfg.n_ops)
     keep = cfg.collection_anchors(collection)
     width = lambda n: max(cfg.anchor_pool or 0, n)   # noqa: E731 (candidates looked at for n kept)
     cands = queries.training_slice(pool, width(cfg.collection_anchors(1)), offset=cfg.anchor_offset,

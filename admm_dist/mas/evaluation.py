@@ -267,7 +267,7 @@ def prepare(args):
     chain = ChainConfig(n_agents=n, prompt=args.prompt, words=spec.words, think=args.think,
                         context_tokens=args.text_mas_context_length, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size)
-    items = queries.pool(args.task, seed=args.seed, split=args.split, path=args.task_path)
+    items = queries.pool(args.task, seed=args.seed, split=args.split, path=args.task_path, n_ops=args.n_ops)
     if args.offset >= len(items):   # rows [offset, end) would be empty: nothing to score
         raise UserError(f"--offset {args.offset}: task {args.task} has {len(items)} rows in split "
                         f"{args.split or 'eval'}: pass an --offset below {len(items)}")
@@ -279,7 +279,8 @@ def prepare(args):
         queries.refuse_leaks(rows, dep.anchor_keys, report=dep.describe)
     settings = {"config": getattr(args, "config", None), "model_name": model_name, "seed": args.seed,
                 "split": args.split or "eval",
-                "task_path": args.task_path, "n_agents": n, "prompt": args.prompt, "words": spec.words,
+                "task_path": args.task_path, "n_ops": args.n_ops, "n_agents": n, "prompt": args.prompt,
+                "words": spec.words,
                 "think": args.think, "text_mas_context_length": args.text_mas_context_length,
                 "adapt_roles": args.adapt_roles or run_cfg.get("adapt_roles") or "all",
                 "deploy": dep.describe if dep else None,

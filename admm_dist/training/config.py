@@ -29,9 +29,10 @@ import unicodedata
 from typing import Any, Dict, Optional
 
 from admm_dist import tasks
+from admm_dist.data.queries import check_n_ops
 from admm_dist.core.config_file import check_ceilings, format_help, from_component, key, keys_by_fingerprint
 from admm_dist.core.constants import (DEFAULT_TIMEOUT_S, MAX_BATCH_SIZE, MAX_GOSSIP_STEPS, MAX_KV_CACHE_GIB,
-                                      MAX_LOCAL_STEPS, MAX_NODES, MAX_QUERIES, MAX_ROUNDS, MAX_SAMPLES,
+                                      MAX_LOCAL_STEPS, MAX_NODES, MAX_OPS, MAX_QUERIES, MAX_ROUNDS, MAX_SAMPLES,
                                       MAX_TIMEOUT_S, MAX_TOKENS)
 from admm_dist.core.errors import UserError
 from admm_dist.core.text import is_int
@@ -80,6 +81,8 @@ class TrainConfig:
 
     task_path: Optional[str] = key(None, "a local JSON/JSONL/CSV file of the task's rows instead of the hub",
                                    metavar="PATH", group=DATA)
+    n_ops: Optional[int] = key(None, "operations per problem of chain_arith and word_arith (unset: theirs, "
+                               "3 and 1)", metavar="K", group=DATA, at_most=MAX_OPS)
     prompt: str = from_component(ChainConfig, "prompt", group=DATA)
     fit_prompt: Optional[str] = key(None, "fit every message under this (deployment) prompt, keeping the "
                                     "collected message as the target (none: the collection prompt)",
@@ -260,6 +263,7 @@ class TrainConfig:
             raise UserError(f"temperature={self.temperature}: collection samples; use a value > 0 (e.g. 0.8)")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p={self.top_p}: use a value in (0, 1]")
+        check_n_ops(self.task, self.n_ops)
         if self.anchor_pool is not None and self.anchor_pool < self.anchors:
             raise UserError(f"anchor_pool={self.anchor_pool} < anchors={self.anchors}: the pool must "
                             "hold at least the queries kept")

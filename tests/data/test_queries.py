@@ -49,3 +49,24 @@ def test_chain_arith_pools_hold_more_than_400_rows_for_tight_evaluations():
     assert not {r["anchor"] for r in ev} & {r["anchor"] for r in tr}
     # a longer pool extends a shorter one: the first rows do not depend on n
     assert load_chain_arith("eval", n=400) == load_chain_arith("eval")[:400]
+
+
+def test_n_ops_sets_the_operations_of_the_arithmetic_tasks_and_is_refused_elsewhere():
+    """word_arith has 146 one-operation evaluation problems; with n_ops = 2 its pool holds many
+    more, each of two operations, the evaluation and training splits still disjoint."""
+    from admm_dist.core.errors import UserError
+    from admm_dist.training.config import TrainConfig
+
+    one = queries.pool("word_arith", seed=3)
+    two = queries.pool("word_arith", seed=3, n_ops=2)
+    train = queries.pool("word_arith", seed=3, n_ops=2, split="train")
+    assert len(one) < 200 < len(two) and all(len(r["ops"]) == 1 for r in one) and all(len(r["ops"]) == 2 for r in two)
+    assert not {r["anchor"] for r in two} & {r["anchor"] for r in train}
+    assert queries.pool("chain_arith", seed=3, n=20, n_ops=3) == queries.pool("chain_arith", seed=3, n=20)
+    with pytest.raises(UserError, match="n_ops=2 is for chain_arith and word_arith, not task gsm8k: drop n_ops"):
+        queries.pool("gsm8k", seed=0, n_ops=2)
+    with pytest.raises(UserError, match=r"n_ops=0: use an integer from 1 to 16"):
+        TrainConfig(task="word_arith", n_ops=0)
+    with pytest.raises(UserError, match="not task synthetic: drop n_ops"):
+        TrainConfig(task="synthetic", n_ops=2)
+    assert TrainConfig(task="word_arith", n_ops=2).n_ops == 2

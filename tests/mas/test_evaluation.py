@@ -171,6 +171,7 @@ def tiny_vector(tmp_path_factory):
     (["--state", "/nonexistent/run"], "seat_map.json"),
     (["--train_report", "/nonexistent/r.json"], "does not exist"),
     (["--prompt", "nope"], "invalid choice"),
+    (["--n_ops", "0"], "n_ops=0: use an integer from 1 to 16"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, tiny_vector, extra, words):
     extra = [tiny_vector if e == "TINY_VECTOR" else e for e in extra]
@@ -216,3 +217,14 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_model_loads
         rc, out, err = evaluate(capsys, flag, path, n=2)
         assert rc == 2 and f"{flag} {path}" in err and words in err, err
         assert len(err.strip().splitlines()) == 1 and out == ""
+
+
+def test_n_ops_sets_the_problems_evaluated(tmp_path, capsys):
+    """chain_arith with two operations a problem (the stand-in's chain has four seats): the rows
+    are two-operation problems, and the summary records n_ops."""
+    rc, out, err = evaluate(capsys, "--n_ops", "2", "--json", str(tmp_path / "s.json"),
+                            "--save_trajectories", str(tmp_path / "t.jsonl"), n=4)
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["settings"]["n_ops"] == 2
+    assert all(len(c["question"].split(":")[1].split()) == 2 for c in chains(tmp_path / "t.jsonl"))

@@ -65,7 +65,7 @@ def test_every_setting_that_sizes_memory_or_work_has_its_ceiling():
         "k_outer": K.MAX_ROUNDS, "dev_every": K.MAX_ROUNDS, "checkpoint_every": K.MAX_ROUNDS,
         "recollect_every": K.MAX_ROUNDS, "keep_checkpoints": K.MAX_ROUNDS, "local_steps": K.MAX_LOCAL_STEPS,
         "batch_size": K.MAX_BATCH_SIZE, "micro_batches": K.MAX_BATCH_SIZE, "gossip_steps": K.MAX_GOSSIP_STEPS,
-        "timeout_s": K.MAX_TIMEOUT_S,
+        "timeout_s": K.MAX_TIMEOUT_S, "n_ops": K.MAX_OPS,
         "vllm_kv_cache_gib": K.MAX_KV_CACHE_GIB,
     }
     ceilings = {f.name: f.metadata.get("at_most") for f in dataclasses.fields(TrainConfig)
