@@ -321,11 +321,11 @@ def seat_groups(placement: "Placement", timeout: datetime.timedelta
     if placement.k == 1:
         return SeatGroup(), None
     rank, mine = dist.get_rank(), None
-    for s in range(placement.n_nodes):
-        ranks = list(range(s * placement.k, (s + 1) * placement.k))
+    for first in placement.leaders:
+        ranks = list(placement.seat_group(first))
         group = dist.new_group(ranks, timeout=timeout)
         mine = group if rank in ranks else mine
     leaders = dist.new_group(placement.leaders, timeout=timeout)
-    first = rank - rank % placement.k
-    return SeatGroup(placement.k, rank % placement.k, mine, timeout, leader=first), leaders
+    ours = placement.seat_group(rank)
+    return SeatGroup(placement.k, rank - ours.start, mine, timeout, leader=ours.start), leaders
 
