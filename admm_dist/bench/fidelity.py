@@ -150,6 +150,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if not os.path.isfile(args.config):
         raise BenchError(f"--config {args.config} does not exist: pass a file from configs/")
     args.train_config = base_config(args, args.seed_list[0])   # a bad key fails here, before any work
+    from admm_dist.model.pretrained import unbuilt
+
+    missing = unbuilt(args.train_config.model_name)
+    if missing:
+        raise BenchError(missing)
     if args.select == "best" and not args.train_config.dev_frac > 0:
         raise BenchError("--select best deploys each consensus arm's -best file, which needs a held-out set: "
                          "add dev_frac=0.1")

@@ -163,7 +163,7 @@ def job_key(args, job: str) -> str:
     d = {"job": job, "config": {k: v for k, v in cfg.as_dict().items()
                                 if k not in ("seed", "fitset_cache", "out", "report_dir", "quiet")},
          "eval_n": args.eval_n, "sampled_n": args.sampled_n, "eval_seed": args.eval_seed,
-         "samples": args.samples, "threads": args.threads, "version": 3}
+         "samples": args.samples, "threads": args.threads, "version": 4}
     if args.select != "last":    # the key of every earlier run stays what it was
         d["select"] = args.select
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -267,7 +267,8 @@ def deployed_vectors(cfg, arm: Arm, select: str) -> Dict[int, "object"]:
 
 
 def run_job(args, job: str) -> Dict[str, object]:
-    """One worker's job: the base's rows, a seed's first collection (a dry run that writes the
+    """One worker's job: the base's rows (and, for a chain, the untrained single seat's greedy
+    rows: the model alone, on the same questions), a seed's first collection (a dry run that writes the
     seed's ``fitset_cache``, which every arm of the seed then reads), or one arm of one seed:
     trained, evaluated, and for a consensus arm that collects again, its learning curve."""
     import torch
@@ -277,6 +278,9 @@ def run_job(args, job: str) -> Dict[str, object]:
     out: Dict[str, object] = {"job": job, "key": job_key(args, job)}
     if job == BASE:
         out["rows"] = score_rows(args, args.train_config, [], **eval_rows(args))
+        if args.train_config.n_agents > 1:   # what a user compares a trained chain with: the model alone
+            out["single"] = score_rows(args, args.train_config, ["--n_agents", "1"], greedy_n=args.eval_n,
+                                       sampled_n=0)
     else:
         seed, name = parse_job(job)
         out["seed"] = seed

@@ -13,6 +13,8 @@ from typing import Dict, List, Sequence
 
 from admm_dist.bench.fidelity_run import BASE, REFERENCE, BenchError
 
+SINGLE = "base 1 seat"   # the untrained model alone (one seat, no chain), greedy on the chain's rows
+
 
 def crossed_bootstrap(d, boot: int, seed: int = 0):
     """95% percentile interval of the mean of d[s, r] resampling seeds and rows independently."""
@@ -88,6 +90,16 @@ def summarize(args, base: dict, seeds: List[dict]) -> Dict[str, object]:
                 diff = [sum(r) / len(r) for r in d]
                 table[name]["minus_ref"] = sum(diff) / len(diff)
                 table[name]["minus_ref_ci95"] = list(crossed_bootstrap(d, args.boot, seed=1))
+        single = base.get("single") if mode == "greedy" else None
+        if single:
+            if single["greedy_anchors"] != base["rows"]["greedy_anchors"]:
+                raise BenchError("the single seat was evaluated on other rows than the chain: rerun without --reuse")
+            s1 = single["greedy"]
+            table[SINGLE] = {"accuracy": [sum(s1) / len(s1)] * len(seeds), "mean": sum(s1) / len(s1)}
+            for name, rows in rows_of.items():
+                d = [[y - x for y, x in zip(r, s1)] for r in rows]
+                table[name]["minus_single"] = sum(map(sum, d)) / sum(map(len, d))
+                table[name]["minus_single_ci95"] = list(crossed_bootstrap(d, args.boot, seed=7))
         out["modes"][mode] = table
     for name in args.arm_list:
         per = [s["arms"][name] for s in seeds]
@@ -164,6 +176,14 @@ def format_table(summary: Dict[str, object], args) -> str:
                     lo, hi = r["minus_ref_ci95"]
                     row += f"{r['minus_ref']:+{vw}.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>18}"
             lines.append(row)
+        if SINGLE in table:
+            lines.append(f"\nthe untrained model alone ({SINGLE}) on the same rows, greedy: "
+                         f"{table[SINGLE]['mean']:.3f}; each arm minus it, paired per row, 95% CI over seeds and rows")
+            for name in args.arm_list:
+                r = table.get(name) or {}
+                if "minus_single" in r:
+                    lo, hi = r["minus_single_ci95"]
+                    lines.append(f"{name:<{w}}{r['minus_single']:+8.3f}{f'[{lo:+.3f}, {hi:+.3f}]':>18}")
     lines += _pass_rate_lines(summary, args, w)
     lines += _curve_lines(summary, w)
     return "\n".join(lines)

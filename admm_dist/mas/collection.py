@@ -47,6 +47,7 @@ from admm_dist.data.fitset import Example, FitSet
 from admm_dist.engine.comm import TELEMETRY
 from admm_dist.engine.comm.communicator import wait_all
 from admm_dist.mas import ChainRunner, row_seed
+from admm_dist.mas.generate import end_of_turn_text
 from admm_dist.mas.prompts import role_name
 from admm_dist.model.loading import load_model
 
@@ -173,9 +174,14 @@ class Collector:
 
     # ------------------------------------------------------------------ rollouts
     def _example(self, seat: int, item: dict, history: Sequence[str], prompt: str, target: str,
-                 reward: float, success: Optional[bool]) -> dict:
+                 reward: float, success: Optional[bool], finished: bool) -> dict:
+        """One fit example. A message that ended with the model's end-of-turn token keeps it
+        (as text, which encoding maps back to the token): fitting it teaches the seat where its
+        message ends; a message cut by the token budget has none."""
         if self.fit_prompt:
             prompt = self.runner.prompt_text(seat, item, history, mode=self.fit_prompt)
+        if finished:
+            target += end_of_turn_text(self.runner.seat_models.get(seat, (None, self.runner.tok))[1])
         return dataclasses.asdict(Example(seat=seat, role=_role(seat), anchor=str(item["anchor"]),
                                           prompt=prompt, target=target, reward=float(reward),
                                           success=success))
@@ -187,7 +193,7 @@ class Collector:
             rewards = self._rewards(it, rs)
             outcomes = [self._ok(r.final_text, it) for r in rs]
             labels = self._labels(rewards, outcomes)
-            exs = [self._example(k, it, r.texts[:k], r.prompts[k], r.texts[k], w, lab)
+            exs = [self._example(k, it, r.texts[:k], r.prompts[k], r.texts[k], w, lab, r.finished[k])
                    for r, w, lab in zip(rs, rewards, labels) for k in self.seats]
             out.append({"anchor": it["anchor"], "outcomes": [int(o) for o in outcomes], "examples": exs})
         return out
@@ -231,7 +237,7 @@ class Collector:
                 outcomes = [self._ok(c.final_text, it) for c in branch]
                 labels = self._labels(rewards, outcomes)
                 outcomes_all += outcomes
-                exs += [self._example(k, it, c.texts[:k], c.prompts[k], c.texts[k], w, lab)
+                exs += [self._example(k, it, c.texts[:k], c.prompts[k], c.texts[k], w, lab, c.finished[k])
                         for c, w, lab in zip(branch, rewards, labels)]
             out.append({"anchor": it["anchor"], "outcomes": [int(o) for o in outcomes_all], "examples": exs,
                         "prefix_ok": int(self._prefix_ok[i])})

