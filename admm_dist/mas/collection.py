@@ -63,7 +63,9 @@ REWARDS = ("outcome", "judge", "gold_likelihood")  # reward: what scores a rollo
 def collect_key(cfg, *, init_sha: str = "none", collection: int = 0) -> Dict[str, Any]:
     """The settings a collected fit set is keyed by (a cache built otherwise is refused)."""
     key = {k: getattr(cfg, k) for k in COLLECT_KEY}
-    key.update(init_sha=init_sha, collection=collection, sampling_structure="on_policy")
+    # targets: a message keeps the end-of-turn token it ended with (Collector._example); a cache
+    # collected before that rule lacks the entry and is refused, naming the fix
+    key.update(init_sha=init_sha, collection=collection, sampling_structure="on_policy", targets="end_of_turn")
     return key
 
 

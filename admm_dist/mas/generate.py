@@ -54,6 +54,9 @@ class RowSeededSampler:
         return scores
 
 
+IM_END = "<|im_end|>"    # the ChatML end of turn (Qwen3, SmolLM2)
+
+
 def stop_ids(tokenizer, model) -> List[int]:
     """The end-of-turn ids: the tokenizer's eos, ``model.generation_config``'s eos, ``<|im_end|>``."""
     ids = []
@@ -61,7 +64,7 @@ def stop_ids(tokenizer, model) -> List[int]:
         for x in (cand if isinstance(cand, (list, tuple)) else [cand]):
             if x is not None and x not in ids:
                 ids.append(int(x))
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+    im_end = tokenizer.convert_tokens_to_ids(IM_END) if IM_END in tokenizer.get_vocab() else None
     if im_end is not None and im_end not in ids:
         ids.append(int(im_end))
     if not ids:
@@ -73,8 +76,8 @@ def end_of_turn_text(tokenizer) -> str:
     """The text of the token that ends an assistant message: ``<|im_end|>`` where the vocabulary
     has it (the chat templates of Qwen3 and SmolLM2), else the tokenizer's eos; one of
     :func:`stop_ids`, and mapped back to that token when a fit target is tokenised."""
-    if "<|im_end|>" in tokenizer.get_vocab():
-        return "<|im_end|>"
+    if IM_END in tokenizer.get_vocab():
+        return IM_END
     if not tokenizer.eos_token:
         raise ValueError("the tokenizer has no end-of-turn token (eos_token): set one so generation can stop")
     return tokenizer.eos_token

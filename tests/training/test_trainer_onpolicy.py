@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from admm_dist.core.errors import UserError
-from admm_dist.data.fitset import load_fitset
+from admm_dist.data.fitset import load_fitset, save_fitset
 from admm_dist.engine.launcher import launch_cpu
 from admm_dist.testing import faults, standin
 from admm_dist.training.config import TrainConfig
@@ -48,6 +48,12 @@ def test_recollection_takes_fresh_queries_and_the_cache_is_keyed(tmp_path):
     # a cache built under other collection settings is refused, naming the key
     with pytest.raises(UserError, match="group"):
         train_local(_cfg(tmp_path / "other", fitset_cache=str(cache), group=5))
+    # a cache collected before targets kept their end-of-turn token (no `targets` entry) is refused
+    old = tmp_path / "old.jsonl"
+    save_fitset(str(old), f.examples, fit_mode=f.fit_mode, stats=f.stats, anchor_keys=f.anchor_keys,
+                settings={k: v for k, v in f.settings.items() if k != "targets"})
+    with pytest.raises(UserError, match="targets.*collect again"):
+        train_local(_cfg(tmp_path / "old", fitset_cache=str(old)))
     # smaller re-collections: the first collection is the cached one, the second takes 3 fresh queries
     rep3 = train_local(_cfg(tmp_path / "fewer", recollect_every=1, recollect_anchors=3, fitset_cache=str(cache)))
     assert [c["queries"] for c in rep3["collections"]] == [3]
