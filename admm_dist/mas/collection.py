@@ -136,6 +136,9 @@ class Collector:
                             "cannot score without a judge: drop --prefix_samples")
         if self.world > 1 and self.exchange is None:
             raise UserError("a collection over several ranks needs an exchange (collect.gather_json)")
+        # each seat's end-of-turn text, read once (a fast tokenizer builds its whole vocabulary per lookup)
+        self._end_of_turn = {seat: end_of_turn_text(self.runner.seat_models.get(seat, (None, self.runner.tok))[1])
+                             for seat in self.seats}
 
     # ------------------------------------------------------------------ work split
     def _map(self, items: Sequence[dict], fn: Callable[[List[dict]], List[Any]]) -> List[Any]:
@@ -183,7 +186,7 @@ class Collector:
         if self.fit_prompt:
             prompt = self.runner.prompt_text(seat, item, history, mode=self.fit_prompt)
         if finished:
-            target += end_of_turn_text(self.runner.seat_models.get(seat, (None, self.runner.tok))[1])
+            target += self._end_of_turn[seat]
         return dataclasses.asdict(Example(seat=seat, role=_role(seat), anchor=str(item["anchor"]),
                                           prompt=prompt, target=target, reward=float(reward),
                                           success=success))
