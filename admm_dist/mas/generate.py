@@ -41,17 +41,40 @@ class RowSeededSampler:
             return scores
         scores = scores.float().clone()
         s = scores[rows] / self.temperature
-        if self.top_p < 1.0:
-            sorted_s, order = torch.sort(s, descending=True, dim=-1)
-            probs = torch.softmax(sorted_s, dim=-1)
-            drop_sorted = (probs.cumsum(-1) - probs) >= self.top_p  # mass before it; keeps >= 1 token
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-            s = s.masked_fill(drop, float("-inf"))
         vocab = s.shape[-1]
         u = torch.stack([torch.rand(vocab, generator=self.gens[i], dtype=torch.float64) for i in rows])
-        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-        scores[rows] = s + gumbel.to(s.device, s.dtype)
+        if self.top_p >= 1.0:
+            gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+            scores[rows] = s + gumbel.to(s.device, s.dtype)
+            return scores
+        keep = self.nucleus(s)
+        noisy = torch.full_like(s, float("-inf"))
+        gumbel = -torch.log(-torch.log(u.to(s.device)[keep].clamp_min(1e-300)))  # the kept tokens' noise only
+        noisy[keep] = s[keep] + gumbel.to(s.dtype)
+        scores[rows] = noisy
         return scores
+
+    TOP_K = 256     # the nucleus is looked for among this many tokens first
+
+    def nucleus(self, s: torch.Tensor) -> torch.Tensor:
+        """Where each row keeps its token: the fewest most likely tokens whose probability
+        reaches top_p (a token is dropped when the mass before it is >= top_p, so at least one
+        stays). Found among the top :attr:`TOP_K` logits (one partial selection, not a sort
+        of the vocabulary, which cost about as much as the model's decoding step); a row
+        whose nucleus reaches past them is sorted whole."""
+        probs = torch.softmax(s, dim=-1)
+        k = min(self.TOP_K, s.shape[-1])
+        _, idx = torch.topk(s, k, dim=-1)
+        p = probs.gather(-1, idx)
+        drop = (p.cumsum(-1) - p) >= self.top_p
+        keep = torch.zeros_like(s, dtype=torch.bool).scatter(-1, idx, ~drop)
+        wide = ~drop[:, -1] if k < s.shape[-1] else torch.zeros(s.shape[0], dtype=torch.bool, device=s.device)
+        if wide.any():
+            order = torch.sort(s[wide], descending=True, dim=-1).indices
+            p = probs[wide].gather(-1, order)
+            drop = (p.cumsum(-1) - p) >= self.top_p
+            keep[wide] = torch.zeros_like(order, dtype=torch.bool).scatter(-1, order, ~drop)
+        return keep
 
 
 IM_END = "<|im_end|>"    # the ChatML end of turn (Qwen3, SmolLM2)

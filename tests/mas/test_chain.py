@@ -48,6 +48,36 @@ def test_sampler_draws_follow_softmax_and_respect_top_p():
     assert torch.equal(out[0], logits[0])
 
 
+def _full_sort_sampler(gens, temperature, top_p, scores):
+    """The definition the sampler must match: sort the whole vocabulary, drop a token when the
+    mass before it reaches top_p, add each row's Gumbel noise."""
+    s = scores.float() / temperature
+    _, order = torch.sort(s, descending=True, dim=-1)
+    probs = torch.softmax(s, dim=-1).gather(-1, order)
+    drop = torch.zeros_like(s, dtype=torch.bool).scatter(-1, order, (probs.cumsum(-1) - probs) >= top_p)
+    u = torch.stack([torch.rand(s.shape[-1], generator=g, dtype=torch.float64) for g in gens])
+    return s.masked_fill(drop, float("-inf")) + (-torch.log(-torch.log(u.clamp_min(1e-300)))).float()
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.3, 0.95), (0.8, 0.95), (1.5, 0.9), (0.8, 0.999)])
+def test_sampler_nucleus_matches_a_full_sort_of_the_vocabulary(temperature, top_p):
+    # a 3,000-token vocabulary: peaked rows find their nucleus in the top 256 logits, flat ones
+    # (scale 0.1) reach past it and take the full sort; three steps draw the same streams
+    gen = torch.Generator().manual_seed(0)
+    seeds = list(range(100, 124))
+    proc = RowSeededSampler(seeds, temperature, top_p)
+    ref_gens = [torch.Generator().manual_seed(s) for s in seeds]
+    assert RowSeededSampler.TOP_K < 3000
+    for _ in range(3):
+        scores = torch.randn(24, 3000, generator=gen) * torch.tensor([0.1, 1.0, 4.0, 12.0]).repeat(6)[:, None]
+        got = proc(None, scores)
+        assert torch.equal(got, _full_sort_sampler(ref_gens, temperature, top_p, scores))
+    kept = (~torch.isinf(got)).sum(-1)
+    assert kept.min() >= 1
+    if top_p > 0.9:
+        assert kept.max() > RowSeededSampler.TOP_K      # the full-sort path was taken too
+
+
 def test_rows_do_not_depend_on_their_batch(tiny):
     model, tok = tiny
     prompts = [f"<|im_start|>user\nq{i}<|im_end|>\n<|im_start|>assistant\n" * (1 + i % 3) for i in range(6)]
