@@ -174,7 +174,7 @@ def eval_argv(args, cfg, *, sampled: bool, n: int) -> List[str]:
     argv = ["--task", cfg.task, "--model_name", cfg.model_name, "--seed", str(args.eval_seed),
             "--n", str(n), "--n_agents", str(cfg.n_agents), "--prompt", cfg.prompt,
             "--max_new_tokens", str(cfg.max_new_tokens), "--batch_size", str(max(cfg.gen_batch_size, 64)),
-            "--adapt_roles", cfg.adapt_roles, "--device", "cpu"]
+            "--adapt_roles", cfg.adapt_roles, "--device", "cpu", "--dtype", cfg.dtype]
     if cfg.task_path:
         argv += ["--task_path", cfg.task_path]
     if cfg.n_ops is not None:

@@ -55,7 +55,7 @@ def train_figures(r: Dict[str, Any]) -> Dict[str, Any]:
 
 def collect_figures(r: Dict[str, Any]) -> Dict[str, Any]:
     return {"device": r.get("device"), "vllm": r.get("vllm"),
-            "rows": [{k: x.get(k) for k in ("model", "backend", "start_s", "collect_s", "tok_per_s", "vllm_over_hf")}
+            "rows": [{k: x.get(k) for k in ("model", "backend", "start_s", "collect_s", "tok_per_s", "over_hf")}
                      | {"tokens": x["tokens"][0] if x.get("tokens") else None} for x in r.get("rows", [])]}
 
 
@@ -117,10 +117,10 @@ def format_report(rep: Dict[str, Any]) -> str:
         lines += [f"| {b} | {f['model']} | {f['examples']} | {f['collect_s']} | {f['run_s']} | {f['rounds']} | "
                   f"{f['delta_w_rel']} |" for b, f in runs]
     if fig.get("collect"):
-        lines += ["", "collection:", "", "| model | backend | start s | collect s | tokens | tok/s | vllm/hf |",
+        lines += ["", "collection:", "", "| model | backend | start s | collect s | tokens | tok/s | / hf |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {x['model']} | {x['backend']} | {x['start_s']} | {x['collect_s']} | {x['tokens']} | "
-                  f"{x['tok_per_s']} | {'' if x['vllm_over_hf'] is None else x['vllm_over_hf']} |"
+                  f"{x['tok_per_s']} | {'' if x['over_hf'] is None else x['over_hf']} |"
                   for x in fig["collect"]["rows"]]
     lines += ["", f"wall {rep['wall_s']} s of a {rep['budget_s']:.0f} s budget"]
     return "\n".join(lines)

@@ -26,7 +26,7 @@ __doc__ = evaluation.__doc__
 # evaluation's flag -> the training key it shares (the same name but for batch_size)
 SHARED = {name: name for name in (
     "task", "task_path", "n_ops", "model_name", "seed", "n_agents", "prompt", "think", "text_mas_context_length",
-    "adapt_roles", "max_new_tokens", "top_p", "generation_backend", "agent_models", "device")}
+    "adapt_roles", "max_new_tokens", "top_p", "generation_backend", "agent_models", "device", "dtype")}
 SHARED["batch_size"] = "gen_batch_size"
 # without --config these stay unset: the deployed run's (--adapter/--state) value applies
 FROM_RUN = {"model_name": "the deployed run's", "adapt_roles": "the deployed run's, else all",
@@ -99,6 +99,7 @@ def build_parser() -> EvalParser:
            "one the adapter names or that lies next to the run)")
     a("--save_trajectories", default=None, metavar="FILE.jsonl", help="write every chain's messages here")
     a("--json", default=None, metavar="FILE", help="write the summary here")
+    _shared(p, "dtype")
     _shared(p, "device")   # auto, cpu, cuda or cuda:N: the training key's help; checked by evaluation
     return p
 

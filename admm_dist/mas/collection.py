@@ -55,7 +55,7 @@ COLLECT_KEY = ("task", "prompt", "think", "n_agents", "adapt_roles", "credit", "
                "fit_mode", "anchors", "group", "seed", "downstream_seed", "sink_tokens",
                "max_new_tokens", "temperature", "top_p", "anchor_split", "anchor_pass_band",
                "anchor_pool", "anchor_offset", "task_path", "n_ops", "text_mas_context_length",
-               "fit_prompt", "agent_models", "prefix_samples", "generation_backend")
+               "fit_prompt", "agent_models", "prefix_samples", "generation_backend", "dtype")
 CREDITS = ("shared", "per_role")                 # credit: one reward for the chain, or per seat
 REWARDS = ("outcome", "judge", "gold_likelihood")  # reward: what scores a rollout
 
@@ -311,9 +311,9 @@ def chain_runner(cfg, model, tokenizer, *, adapter=None, states=None, seat_model
     return runner
 
 
-def load_seat_models(backbones: Dict[int, str], device) -> Dict[int, Tuple[Any, Any]]:
+def load_seat_models(backbones: Dict[int, str], device, dtype: str = "auto") -> Dict[int, Tuple[Any, Any]]:
     """``agent_models``: {seat: (model, tokenizer)}, each from a folder or a hub id."""
-    return {seat: load_model(src, device, what=f"agent_models seat {seat}")
+    return {seat: load_model(src, device, what=f"agent_models seat {seat}", dtype=dtype)
             for seat, src in backbones.items()}
 
 

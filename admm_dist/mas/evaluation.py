@@ -287,7 +287,7 @@ def prepare(args):
                 "agent_models": {str(s): p for s, p in agent_models.items()},
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                 "samples": args.samples, "batch_size": args.batch_size, "train_report": report,
-                "generation_backend": args.generation_backend,
+                "generation_backend": args.generation_backend, "dtype": args.dtype,
                 "leakage_checked_by_file": bool(dep and dep.anchor_keys is not None)}
     return safety, dep, agent_models, chain, rows, settings
 
@@ -296,13 +296,14 @@ def roll_out(args, dep, agent_models, chain, rows, settings, device):
     """Load the backbones and adapters and run every chain: [(item, Rollout)], adapted seats."""
     if args.generation_backend == "vllm":
         require_vllm()
-    model, tok = load_model(settings["model_name"], device)
+    model, tok = load_model(settings["model_name"], device, dtype=args.dtype)
     adapter, states = None, {}
     if dep:
         adapter = BOnlyLoRA(model, dep.adapter_config)
         states = {s: v for s, v in dep.vectors(adapter).items() if s not in agent_models}
         model = adapter.model
-    others = {p: load_model(p, device, what="--agent_models") for p in sorted(set(agent_models.values()))}
+    others = {p: load_model(p, device, what="--agent_models", dtype=args.dtype)
+              for p in sorted(set(agent_models.values()))}
     generator = None
     if args.generation_backend == "vllm":
         generator = VLLMBackend(settings["model_name"], tok, adapter, seed=args.seed)   # its own work folder

@@ -17,17 +17,32 @@ def check_model_src(src: str, what: str = "--model_name") -> bool:
     return local
 
 
-def load_model(src: str, device, *, what: str = "--model_name", shard_over=None):
-    """(model, tokenizer) from a local folder or a hub id, in eval mode on ``device``
-    (bf16 on CUDA, fp32 on CPU); a model that cannot be loaded is one UserError. With
+DTYPES = ("auto", "float32", "bfloat16")   # a backbone's dtype setting (backbone_dtype)
+
+
+def backbone_dtype(device, dtype: str = "auto"):
+    """The backbone's torch dtype: ``auto`` is bfloat16 on CUDA and float32 on CPU; ``float32``
+    and ``bfloat16`` are taken as given (bfloat16 on a CPU with AVX512-BF16 or AMX runs the
+    matrix products about twice as fast; a LoRA adapter's own path stays in float32)."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise UserError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_model(src: str, device, *, what: str = "--model_name", shard_over=None, dtype: str = "auto"):
+    """(model, tokenizer) from a local folder or a hub id, in eval mode on ``device`` in
+    :func:`backbone_dtype`; a model that cannot be loaded is one UserError. With
     ``shard_over`` (a process group) each of its ranks loads only its shard of every weight
     (:func:`admm_dist.model.sharding.load_sharded`)."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_libraries()
     local = check_model_src(src, what)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = backbone_dtype(device, dtype)
     try:
         tok = AutoTokenizer.from_pretrained(src, local_files_only=local)
         if shard_over is not None:

@@ -59,7 +59,7 @@ class CollectionRunner:
         model.eval()
         try:
             if self.agent_models is None:
-                self.agent_models = load_seat_models(cfg.seat_backbones(), self.ctx.device)
+                self.agent_models = load_seat_models(cfg.seat_backbones(), self.ctx.device, cfg.dtype)
             runner = chain_runner(cfg, model, tokenizer, adapter=adapter, states=states,
                                   seat_models=self.agent_models, generator=self.generator(tokenizer, adapter))
             return collect_fitset(cfg, runner, collection=collection,

@@ -181,10 +181,10 @@ class Trainer:
         self.outputs.check(self.control)
 
     def load_backbone(self):
-        """The backbone and tokenizer (bf16 on GPU, fp32 on CPU), through the one loader; with
+        """The backbone and tokenizer in the run's ``dtype``, through the one loader; with
         ``shard_backbone`` each rank of a seat reads only its shard (:mod:`admm_dist.model.sharding`)."""
         shard = self.seat.group if self.cfg.shard_backbone and self.seat.k > 1 else None
-        model, tok = load_model(self.cfg.model_name, self.ctx.device, shard_over=shard)
+        model, tok = load_model(self.cfg.model_name, self.ctx.device, shard_over=shard, dtype=self.cfg.dtype)
         model.config.use_cache = False
         return model, tok
 

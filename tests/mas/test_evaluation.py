@@ -69,6 +69,14 @@ def test_accuracy_trajectories_json_and_repeatable(tmp_path, capsys):
     assert rc == 0 and out2 == out and chains(b) == rows
 
 
+def test_dtype_bfloat16_runs_the_backbone_in_bfloat16_and_says_so(tmp_path, capsys, base8):
+    path = tmp_path / "bf16.jsonl"
+    rc, out, _ = evaluate(capsys, "--dtype", "bfloat16", "--save_trajectories", str(path),
+                          "--json", str(tmp_path / "s.json"))
+    assert rc == 0 and json.loads((tmp_path / "s.json").read_text())["settings"]["dtype"] == "bfloat16"
+    assert [c["anchor"] for c in chains(path)] == [c["anchor"] for c in chains(base8)]
+
+
 def test_adapter_vector_changes_outputs(tmp_path, capsys, base8):
     from admm_dist.model.vectors import save_vector
     adapter, vec = random_vector(STANDIN, 0)
@@ -172,6 +180,7 @@ def tiny_vector(tmp_path_factory):
     (["--train_report", "/nonexistent/r.json"], "does not exist"),
     (["--prompt", "nope"], "invalid choice"),
     (["--n_ops", "0"], "n_ops=0: use an integer from 1 to 16"),
+    (["--dtype", "float16"], "invalid choice"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, tiny_vector, extra, words):
     extra = [tiny_vector if e == "TINY_VECTOR" else e for e in extra]

@@ -24,11 +24,14 @@ def test_a_world_that_is_neither_at_most_n_nor_k_times_n_is_refused(assets, tmp_
     assert not os.path.exists(tmp_path / "run-last.safetensors")
 
 
-@pytest.mark.parametrize("consensus", ["ring", "gossip", "coordinator"])
-def test_fewer_ranks_than_nodes_train_the_oracles_nodes(consensus, assets, tmp_path):
+@pytest.mark.parametrize("consensus,dtype", [("ring", "auto"), ("gossip", "auto"), ("coordinator", "auto"),
+                                             ("ring", "bfloat16")])
+def test_fewer_ranks_than_nodes_train_the_oracles_nodes(consensus, dtype, assets, tmp_path):
     """N = 3 nodes on W = 2 ranks (nodes 0, 1 on rank 0; node 2 on rank 1): every node file
-    equals the single-process run's, bit for bit for ring and gossip."""
+    equals the single-process run's, bit for bit for ring and gossip; a bfloat16 backbone on
+    CPU too (its LoRA path and the consensus stay float32)."""
     kw = dict(consensus=consensus, topology="chain") if consensus == "gossip" else dict(consensus=consensus)
+    kw["dtype"] = dtype
     dist_cfg = _cfg(assets, tmp_path / "dist", **kw)
     local_cfg = _cfg(assets, tmp_path / "local", **kw)
     launch_cpu(_train_worker, 2, dist_cfg, timeout_s=120)
@@ -43,6 +46,10 @@ def test_fewer_ranks_than_nodes_train_the_oracles_nodes(consensus, assets, tmp_p
                 assert torch.equal(a[key], b[key]), (consensus, i, key)
     rep = json.loads((tmp_path / "dist" / "reports" / "run-train.json").read_text())
     assert rep["n_nodes"] == N and len(rep["rounds"][-1]["f"]) == N
+    if dtype == "bfloat16":   # the backbone held half a float32 one's bytes, and trained otherwise
+        fp32 = train_local(_cfg(assets, tmp_path / "fp32", **dict(kw, dtype="float32")))
+        assert 2 * rep["memory"]["backbone_bytes"][0] == fp32["memory"]["backbone_bytes"][0]
+        assert fp32["loss_curve"] != rep["loss_curve"]
     assert rep["placement"] == [[0, 1], [2]] and rep["backend"] == "ProcessGroupCommunicator"
     last = rep["rounds"][-1]
     if consensus != "coordinator":   # node 0 hands node 1 its part in memory; node 1 sends to node 2
