@@ -306,7 +306,7 @@ def roll_out(args, dep, agent_models, chain, rows, settings, device):
               for p in sorted(set(agent_models.values()))}
     generator = None
     if args.generation_backend == "vllm":
-        generator = VLLMBackend(settings["model_name"], tok, adapter, seed=args.seed)   # its own work folder
+        generator = VLLMBackend(settings["model_name"], tok, adapter, seed=args.seed, dtype=args.dtype)
     try:
         runner = ChainRunner(model, tok, chain, adapter=adapter, seat_states=states,
                              seat_models={s: others[p] for s, p in agent_models.items()}, generator=generator,

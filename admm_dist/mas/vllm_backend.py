@@ -59,7 +59,8 @@ allowed cores instead. On CUDA the worker is pinned to the rank's current device
 backbone shares it); this CUDA path is not exercised by the CPU tests.
 
 Precision. ``dtype="auto"`` means *the checkpoint's dtype* (as transformers'
-``dtype="auto"``); vLLM's own "auto" would run an fp32 checkpoint in bf16. vLLM keeps LoRA
+``dtype="auto"``); vLLM's own "auto" would run an fp32 checkpoint in bf16. A run's ``dtype``
+of float32 or bfloat16 is passed through (``auto`` stays the checkpoint's). vLLM keeps LoRA
 weights in the model dtype (bf16 for a bf16 backbone), where the HF adapter keeps A and B in
 fp32: expect bf16-level differences there, fp32-level (~1e-5 in log-probs) on an fp32 model.
 

@@ -78,7 +78,7 @@ class CollectionRunner:
             return self._generator
         self.talk(f"starting a vLLM engine on every rank ({cfg.model_name}, LoRA rank {cfg.lora_rank})")
         self._generator = vllm_backend.VLLMBackend(
-            cfg.model_name, tokenizer, adapter, seed=cfg.seed + self.ctx.rank,
+            cfg.model_name, tokenizer, adapter, seed=cfg.seed + self.ctx.rank, dtype=cfg.dtype,
             max_model_len=cfg.vllm_max_model_len, kv_cache_gib=cfg.vllm_kv_cache_gib,
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
         return self._generator
