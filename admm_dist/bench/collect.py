@@ -93,7 +93,7 @@ def _states(adapter, n_agents: int, seed: int = 0) -> Dict[int, torch.Tensor]:
 
 
 # backend -> the backbone's dtype (admm_dist.model.loading.backbone_dtype): hf-bf16 is hf with a
-# bfloat16 backbone, which on a CPU with AVX512-BF16 halves the matrix products' time
+# bfloat16 backbone
 BACKENDS = {"hf": "auto", "hf-bf16": "bfloat16", "vllm": "auto"}
 
 

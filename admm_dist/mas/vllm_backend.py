@@ -58,11 +58,10 @@ allowed cores instead. On CUDA the worker is pinned to the rank's current device
 ``gpu_memory_utilization`` is the share of that GPU the engine may take (the trainer's
 backbone shares it); this CUDA path is not exercised by the CPU tests.
 
-Precision. ``dtype="auto"`` means *the checkpoint's dtype* (as transformers'
-``dtype="auto"``); vLLM's own "auto" would run an fp32 checkpoint in bf16. A run's ``dtype``
-of float32 or bfloat16 is passed through (``auto`` stays the checkpoint's). vLLM keeps LoRA
-weights in the model dtype (bf16 for a bf16 backbone), where the HF adapter keeps A and B in
-fp32: expect bf16-level differences there, fp32-level (~1e-5 in log-probs) on an fp32 model.
+Precision. ``dtype="auto"`` is *the checkpoint's dtype* (vLLM's own "auto" would run an fp32
+checkpoint in bf16); a run's float32 or bfloat16 is passed through. vLLM keeps LoRA weights in
+the model dtype, where the HF adapter keeps A and B in fp32: expect bf16-level differences on a
+bf16 backbone, fp32-level (~1e-5 in log-probs) on an fp32 one.
 
 Other vLLM 0.32 limits met here: ``max_lora_rank`` must be one of 1, 8, 16, 32, 64, 128,
 256, 320, 512 (the adapter's rank is rounded up); LoRA is enabled only on the adapter's

@@ -22,8 +22,8 @@ DTYPES = ("auto", "float32", "bfloat16")   # a backbone's dtype setting (backbon
 
 def backbone_dtype(device, dtype: str = "auto"):
     """The backbone's torch dtype: ``auto`` is bfloat16 on CUDA and float32 on CPU; ``float32``
-    and ``bfloat16`` are taken as given (bfloat16 on a CPU with AVX512-BF16 or AMX runs the
-    matrix products about twice as fast; a LoRA adapter's own path stays in float32)."""
+    and ``bfloat16`` are taken as given (on a CPU with AVX512-BF16 a bf16 matrix product runs
+    about twice as fast; a LoRA adapter's own path stays in float32)."""
     import torch
 
     if dtype not in DTYPES:

@@ -71,7 +71,7 @@ class TrainConfig:
     device: str = key("auto", f"{DEVICE_FORMS}: auto takes CUDA when present; under torchrun a rank "
                       "given cuda or auto takes cuda:LOCAL_RANK", metavar="DEVICE", group=SYSTEM, fingerprint="ignored")
     dtype: str = key("auto", "the backbone's weights: auto is bfloat16 on CUDA and float32 on CPU; bfloat16 on "
-                     "a CPU with AVX512-BF16 or AMX about doubles the matrix products' speed", choices=DTYPES,
+                     "a CPU with AVX512-BF16 collects 1.3x faster (docs/benchmarks.md)", choices=DTYPES,
                      group=SYSTEM)
     seed: int = key(42, "the run's seed: query shuffle, rollouts, minibatches and the LoRA basis", group=SYSTEM)
     n_agents: int = from_component(ChainConfig, "n_agents", group=SYSTEM)
