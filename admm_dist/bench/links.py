@@ -16,7 +16,10 @@ with one mixing step) with every payload (fp32, int8, fp8) and vector size: one 
 z-step, then ``--reps`` timed ones between barriers. A z-step's seconds are rank 0's wall time
 of one ``consensus_`` (the slowest rank sets it: the barrier after it waits for every rank);
 bytes are what the meter counts for rank 0's node, which the loopback test checks against the
-interface counters. It needs root, iproute2 (``ip``, ``tc``) and nsenter; without them it says
+interface counters; its *wire time* is those bytes (the larger of sent and received) at the
+link's rate, the least time the payload can take, printed beside the seconds. The codec's own
+encode and decode rates on one thread of this CPU (GB/s of fp32 in and out) are printed too, so
+a reader sees which of the two bounds each cell. It needs root, iproute2 (``ip``, ``tc``) and nsenter; without them it says
 so in one line and exits 2. Every namespace it makes is deleted on the way out, by name.
 """
 from __future__ import annotations
@@ -221,6 +224,55 @@ def _worker(spec_text: str) -> int:
     return 0
 
 
+def wire_seconds(row: Dict[str, Any], rate: str) -> Optional[float]:
+    """The least time a cell's payload takes on links of ``rate``: what rank 0's node sends or
+    receives, the larger, at the rate (None on loopback)."""
+    return None if rate == LOOPBACK else max(row["sent"], row["recv"]) * 8 / rate_bits(rate)
+
+
+def codec_rates(numel: int = 1 << 22, reps: int = 5) -> List[Dict[str, Any]]:
+    """GB/s of fp32 through each codec on one thread: ``encode`` (a vector to its payload),
+    ``encode_change`` (v - h to a payload, h moved by it: what a sender does), ``decode_add``
+    (a payload added into a vector: what a receiver does); the best of ``reps``."""
+    import torch
+
+    from admm_dist.engine.codec import COMPRESSIONS, Codec
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        v = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+        h, out = torch.zeros(numel), torch.empty(numel)
+        rows = []
+        for name in [c for c in COMPRESSIONS if c != "none"]:
+            c = Codec(name)
+            payload = torch.empty(c.payload_bytes(numel), dtype=torch.uint8)
+            row: Dict[str, Any] = {"compress": name, "numel": numel}
+            for what, fn in (("encode", lambda: c.encode_(payload, v)), ("encode_change", lambda: c.encode_(payload, v, h)),
+                             ("decode_add", lambda: c.decode_(out, payload, add=True))):
+                fn()
+                best = min(_timed(fn) for _ in range(reps))
+                row[f"{what}_gbps"] = round(4 * numel / best / 1e9, 2)
+            rows.append(row)
+        return rows
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def format_codecs(rows: Sequence[Dict[str, Any]]) -> str:
+    lines = ["codec on one thread, GB/s of fp32 (a 100 Mbit/s link carries 0.0125 GB/s of payload, 1 Gbit/s 0.125):",
+             f"{'payload':>7} {'encode':>7} {'encode v-h':>11} {'decode +=':>10}"]
+    lines += [f"{r['compress']:>7} {r['encode_gbps']:>7.2f} {r['encode_change_gbps']:>11.2f} {r['decode_add_gbps']:>10.2f}"
+              for r in rows]
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- the exact-mean scheme
 def mean_schemes(n: int, numel: int, compress: str, seed: int = 0) -> Dict[str, Any]:
     """One compressed mean of N random vectors, two ways, against the exact mean: the owner
@@ -231,7 +283,7 @@ def mean_schemes(n: int, numel: int, compress: str, seed: int = 0) -> Dict[str, 
     import torch
 
     from admm_dist.engine.comm import LocalCommunicator
-    from admm_dist.engine.comm.compress import decode_, encode
+    from admm_dist.engine.codec import decode_, encode
     from admm_dist.engine.comm.meter import chunk_bounds
 
     g = torch.Generator().manual_seed(seed)
@@ -270,7 +322,7 @@ def run(nodes: Sequence[int], rates: Sequence[str], sizes: Sequence[float], mode
                     star.shape(rate)
                 t = time.monotonic()
                 for row in _launch(n, cases, reps, folder, star=star):
-                    records.append(dict(row, n=n, rate=rate))
+                    records.append(dict(row, n=n, rate=rate, wire_s=wire_seconds(row, rate)))
                 log(f"# N={n} {rate}: {len(cases)} cases in {time.monotonic() - t:.0f} s")
         finally:
             if star_ctx is not None:
@@ -284,9 +336,9 @@ def run(nodes: Sequence[int], rates: Sequence[str], sizes: Sequence[float], mode
 def format_table(result: Dict[str, Any]) -> str:
     recs = result["records"]
     s = result["settings"]
-    lines = [f"seconds per z-step (bytes sent per node) on a ring graph; N ranks, one per namespace, "
-             f"each link shaped both ways (tbf, MTU {s['mtu']}); {LOOPBACK}: unshaped, one host"]
-    head = f"{'rate':>9} {'MiB':>4} {'mode':<24}" + "".join(f"{f'N={n}':>26}" for n in s["nodes"])
+    lines = [f"seconds per z-step / its payload's wire time (MiB sent per node) on a ring graph; N ranks, one "
+             f"per namespace, each link shaped both ways (tbf, MTU {s['mtu']}); {LOOPBACK}: unshaped, one host"]
+    head = f"{'rate':>9} {'MiB':>4} {'mode':<24}" + "".join(f"{f'N={n}':>32}" for n in s["nodes"])
     lines += [head, "-" * len(head)]
     for rate in s["rates"]:
         for mib in s["sizes_mib"]:
@@ -296,9 +348,10 @@ def format_table(result: Dict[str, Any]) -> str:
                     for n in s["nodes"]:
                         r = next((x for x in recs if (x["rate"], x["mib"], x["mode"], x["compress"], x["n"])
                                   == (rate, mib, mode, c, n)), None)
-                        cells.append("-" if r is None else f"{r['seconds']:8.3f} s ({r['sent'] / 2**20:7.1f} MiB)")
+                        wire = "" if r is None or r.get("wire_s") is None else f" / {r['wire_s']:6.3f}"
+                        cells.append("-" if r is None else f"{r['seconds']:7.3f}{wire} ({r['sent'] / 2**20:6.1f} MiB)")
                     lines.append(f"{rate:>9} {mib:>4g} {mode + ('' if c == 'none' else '-' + c):<24}"
-                                 + "".join(f"{cell:>26}" for cell in cells))
+                                 + "".join(f"{cell:>32}" for cell in cells))
     lines.append(f"# wall {result['wall_s']:.0f} s; load average after: {result['load']}")
     return "\n".join(lines)
 
@@ -366,7 +419,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"links: error: {e}", file=sys.stderr)
         return 2
     result["mean_schemes"] = [mean_schemes(n, 1 << 20, c) for c in compress if c != "none" for n in nodes]
+    result["codecs"] = codec_rates()
     print(format_table(result))
+    print(format_codecs(result["codecs"]))
     print(format_schemes(result["mean_schemes"]))
     if args.json:
         write_json(args.json, result, f"# wrote {args.json}")

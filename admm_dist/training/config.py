@@ -40,7 +40,7 @@ from admm_dist.data.derive import FIT_FILTERS
 from admm_dist.data.fitset import PARTITION_MODES
 from admm_dist.engine.admm import ADMMConfig
 from admm_dist.engine.comm import COMM_BACKENDS, COMPRESSIONS, MODES, TOPOLOGIES, check_mode
-from admm_dist.engine.comm.compress import check_compress
+from admm_dist.engine.codec import check_compress
 from admm_dist.engine.dist import DEVICE_FORMS, check_device
 from admm_dist.mas.chain import ChainConfig
 from admm_dist.mas.collection import Collector
@@ -198,9 +198,9 @@ class TrainConfig:
                         "refused; chain is a path", choices=TOPOLOGIES, group=ADMM)
     gossip_steps: int = key(1, "gossip mixing steps tau per z-step (consensus gossip only)", group=ADMM,
                             at_most=MAX_GOSSIP_STEPS)
-    compress: str = key("none", "z-step payload: none (fp32), int8 or fp8 (e4m3) codes with one fp32 scale per "
-                        "64 values, of each node's change against a public copy (exact at convergence; "
-                        "about 0.27x the bytes)", choices=COMPRESSIONS, group=ADMM)
+    compress: str = key("none", "z-step payload: none (fp32), int8 or fp8 (e4m3) codes (about 0.27x the bytes) or "
+                        "int4 codes (0.14x) with one fp32 scale per 64 values, of each node's change against a "
+                        "public copy (exact at convergence)", choices=COMPRESSIONS, group=ADMM)
     local_only: bool = from_component(ADMMConfig, "local_only", group=ADMM)
     no_dual: bool = from_component(ADMMConfig, "no_dual", group=ADMM)
     rho_adapt: bool = from_component(ADMMConfig, "rho_adapt", group=ADMM)

@@ -22,14 +22,24 @@ def test_bad_lists_are_one_line_and_exit_2(capsys):
     assert len(err) == 1 and "coordinator, ring, gossip, decentralized" in err[0]
 
 
-def test_the_table_puts_every_n_side_by_side():
+def test_the_table_puts_every_n_side_by_side_with_each_cells_wire_time():
     recs = [dict(rate="100mbit", mib=1.0, mode="ring", compress=c, n=n, seconds=s, sent=b, recv=b, analytic=b)
             for c, n, s, b in (("none", 2, 0.09, 2**20), ("int8", 2, 0.03, 2**18), ("none", 4, 0.14, 1.5 * 2**20))]
+    for r in recs:
+        r["wire_s"] = links.wire_seconds(r, "100mbit")
+    assert recs[0]["wire_s"] == pytest.approx(2**20 * 8 / 1e8)
     result = {"settings": dict(nodes=[2, 4], rates=["100mbit"], sizes_mib=[1.0], modes=["ring"],
                                compress=["none", "int8"], mtu=1500), "records": recs, "wall_s": 3.0, "load": "x"}
     text = links.format_table(result)
     row = next(line for line in text.splitlines() if "ring-int8" in line)
-    assert "0.030 s (    0.2 MiB)" in row and row.rstrip().endswith("-")   # no N = 4 int8 record
+    assert "0.030 /  0.021 (   0.2 MiB)" in row and row.rstrip().endswith("-")   # no N = 4 int8 record
+
+
+def test_the_codecs_rates_are_measured_for_every_payload():
+    rows = links.codec_rates(numel=1 << 14, reps=1)
+    assert [r["compress"] for r in rows] == ["int8", "fp8", "int4"]
+    assert all(r[k] > 0 for r in rows for k in ("encode_gbps", "encode_change_gbps", "decode_add_gbps"))
+    assert "int4" in links.format_codecs(rows)
 
 
 @pytest.mark.slow
@@ -37,14 +47,15 @@ def test_the_table_puts_every_n_side_by_side():
 def test_shaped_links_slow_fp32_and_int8_carries_a_quarter_of_the_bytes(tmp_path, capsys):
     out = tmp_path / "links.json"
     rc = links.main(["--nodes", "2", "--rates", "loopback,100mbit", "--sizes", "2", "--modes", "ring,decentralized",
-                     "--compress", "none,int8", "--json", str(out), "--png", str(tmp_path / "links.png")])
+                     "--compress", "none,int8,int4", "--json", str(out), "--png", str(tmp_path / "links.png")])
     assert rc == 0, capsys.readouterr()
     recs = {(r["rate"], r["mode"], r["compress"]): r for r in json.loads(out.read_text())["records"]}
-    assert len(recs) == 8
+    assert len(recs) == 12
     for (rate, mode, compress), r in recs.items():
         assert r["sent"] == r["analytic"] > 0, r
-        if compress == "int8":
-            assert r["sent"] <= 0.30 * recs[(rate, mode, "none")]["sent"]
+        if compress != "none":
+            assert r["sent"] <= (0.15 if compress == "int4" else 0.30) * recs[(rate, mode, "none")]["sent"]
+        assert (r["wire_s"] is None) == (rate == "loopback")
     # 2 MiB of fp32 at 100 Mbit/s takes at least 0.16 s; int8 is faster there, and loopback is faster still
     for mode in ("ring", "decentralized"):
         assert recs[("100mbit", mode, "none")]["seconds"] >= 0.16

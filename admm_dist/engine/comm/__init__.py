@@ -15,7 +15,7 @@ import torch.distributed as dist
 from admm_dist.core.constants import DEFAULT_TIMEOUT_S
 from admm_dist.core.errors import UserError
 from admm_dist.engine.comm.communicator import CommError, Communicator, Hop
-from admm_dist.engine.comm.compress import COMPRESSIONS
+from admm_dist.engine.codec import COMPRESSIONS
 from admm_dist.engine.comm.local import LocalCommunicator
 from admm_dist.engine.comm.meter import (CONSENSUS, IN_PROCESS, TELEMETRY, ByteMeter, chunk_bounds, chunk_sizes,
                                          ring_bytes_per_rank)

@@ -21,14 +21,15 @@ from __future__ import annotations
 import abc
 import itertools
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from admm_dist.core.errors import RunError, UserError
 from admm_dist.engine.comm import compressed
-from admm_dist.engine.comm.compress import check_compress
+from admm_dist.engine.codec import check_compress
 from admm_dist.engine.comm.meter import CONSENSUS, IN_PROCESS, TELEMETRY, ByteMeter, chunk_bounds, ring_bytes_per_rank
+from admm_dist.engine.comm.schedule import Hop, Step, pieces
 from admm_dist.engine.comm.topology import (DECENTRALIZED, MIXING, check_mode, half_mean_weights,
                                              metropolis_weights, neighbours)
 
@@ -55,22 +56,6 @@ def wait_all(works: Sequence, timeout, what: str, rank: int) -> None:
         how = (f"timed out after {bound:.0f}s" if elapsed >= 0.9 * bound else
                f"failed after {elapsed:.1f}s (a peer closed the connection or stopped, not a timeout)")
         raise CommError(f"rank {rank}: {what} {how} ({first_line(e)})") from e
-
-
-def pieces(numel: int, k: int) -> List[Tuple[int, int]]:
-    """[(a, b)]: ``numel`` items cut into ``k`` near-equal pieces."""
-    return [(p * numel // k, (p + 1) * numel // k) for p in range(k)]
-
-
-class Hop(NamedTuple):
-    """One message of a schedule: node ``src`` hands ``data`` to node ``dst``."""
-    src: int
-    dst: int
-    data: Optional[torch.Tensor]   # the payload, where ``src`` lives (None elsewhere)
-    into: Optional[torch.Tensor]   # where it lands, where ``dst`` lives and ``src`` does not
-
-
-Arrived = Callable[[Hop, int, int, torch.Tensor], None]   # (hop, a, b, piece): Communicator.relay
 
 
 class Communicator(abc.ABC):
@@ -136,22 +121,25 @@ class Communicator(abc.ABC):
 
     # -- the transport --------------------------------------------------------------------
     def exchange(self, hops: Sequence[Hop], what: str) -> Dict[Tuple[int, int], torch.Tensor]:
-        """Move the hops that touch this process (a relay of one step). Returns, per hop into one
-        of its nodes, keyed (src, dst), the sender's own tensor (no copy) or ``into``."""
-        self.relay([(hops, None)], what)
+        """Move the hops that touch this process (a relay of one step; every hop of one length).
+        Returns, per hop into one of its nodes, keyed (src, dst), the sender's own tensor (no copy)
+        or ``into``."""
+        self.relay([Step(hops)], what, max((t.nbytes for h in hops for t in (h.data, h.into) if t is not None), default=0))
         return {(h.src, h.dst): h.data if self.mine(h.src) else h.into for h in hops if self.mine(h.dst)}
 
-    def relay(self, steps: Sequence[Tuple[Sequence[Hop], Optional[Arrived]]], what: str) -> None:
-        """Run steps (hops, arrived) where piece p of what a node sends at step s + 1 is ready once
-        piece p of every hop into it at step s has been seen by ``arrived(hop, a, b, piece)``
-        (items [a, b) where it lands; in and out hops of a node have one length). Every receive
-        is posted up front and every piece moves the moment it is ready, so the ring's additions
-        overlap the wire as in gloo's own ring (docs/benchmarks.md). Waiting in (step, hop,
-        piece) order cannot deadlock: a piece depends only on earlier steps."""
-        n, k, last = self.n_nodes, self._cuts(steps), len(steps)
+    def relay(self, steps: Sequence[Step], what: str, size: int) -> None:
+        """Run steps where piece p of what a node sends at step s + 1 is ready once piece p of what
+        it sent at step s was made and piece p of every hop into it at step s was seen by
+        ``arrived`` (in and out hops of a node have one length; ``size``, the largest hop in
+        bytes, the same on every rank, sets how many pieces). Every receive is posted up front,
+        each piece is made the moment it is ready and sent at once, and pieces are waited for in
+        (step, piece, hop) order, so a codec's work and the ring's additions overlap the wire.
+        That cannot deadlock: a piece depends only on the same piece of earlier steps."""
+        n, last = self.n_nodes, len(steps)
+        k = self._pieces(size, last, max(s.unit for s in steps))
         ends: Dict[Tuple[int, int], Tuple[List[Hop], List[Hop]]] = {}   # (step, node) -> (hops in, hops out)
-        for s, (hops, _) in enumerate(steps):
-            for hop in hops:
+        for s, step in enumerate(steps):
+            for hop in step.hops:
                 self._meter(hop)
                 for side, node in enumerate((hop.dst, hop.src)):
                     if self.mine(node):
@@ -160,39 +148,46 @@ class Communicator(abc.ABC):
         def post(send: bool, t: torch.Tensor, node: int, s: int, hop: Hop, p: int):
             return self._p2p(what, send, t, node, ((s * n + hop.src) * n + hop.dst) * k + p)
 
-        recvs = [(s, hop, p, a, b, post(False, hop.into[a:b], hop.src, s, hop, p))
-                 for s in range(last) for hop in sorted(steps[s][0], key=lambda h: (h.src, h.dst))
-                 if hop.into is not None for p, (a, b) in enumerate(pieces(hop.into.numel(), k))]
+        recvs = [(s, p, hop, a, b, post(False, hop.into[a:b], hop.src, s, hop, p))
+                 for s in range(last) for hop in sorted(steps[s].hops, key=lambda h: (h.src, h.dst))
+                 if hop.into is not None for p, (a, b) in enumerate(pieces(hop.into.numel(), k, steps[s].unit))]
+        recvs.sort(key=lambda r: r[:2])   # (step, piece), then hops in (src, dst) order
         sends, waiting = [], {}
 
-        def ready(s: int, node: int, p: int) -> None:   # piece p of what ``node`` sends at step s is final
-            into, out = ends.get((s, node), ((), ())) if s < last else ((None,), ())
-            for hop in out:
-                a, b = pieces(hop.data.numel(), k)[p]
+        def ready(s: int, node: int, p: int) -> None:   # piece p of what ``node`` sends at step s may go
+            if s == last:
+                return
+            if steps[s].make is not None:
+                steps[s].make(node, p, k)
+            for hop in ends.get((s, node), ((), ()))[1]:
+                a, b = pieces(hop.data.numel(), k, steps[s].unit)[p]
                 if self.mine(hop.dst):
                     landed(s, hop, p, a, b, hop.data[a:b])
                 else:
                     sends.append(post(True, hop.data[a:b], hop.dst, s, hop, p))
-            if not into:   # nothing arrives at this node in step s: ready for the next one
-                ready(s + 1, node, p)
+            done(s, node, p)
 
         def landed(s: int, hop: Hop, p: int, a: int, b: int, piece: torch.Tensor) -> None:
-            if steps[s][1] is not None:
-                steps[s][1](hop, a, b, piece)
-            key = (s, hop.dst, p)
-            waiting[key] = waiting.get(key, len(ends[(s, hop.dst)][0])) - 1
+            if steps[s].arrived is not None:
+                steps[s].arrived(hop, a, b, piece)
+            done(s, hop.dst, p)
+
+        def done(s: int, node: int, p: int) -> None:   # one of the things piece p at step s + 1 waits for
+            key = (s, node, p)
+            waiting[key] = waiting.get(key, len(ends.get((s, node), ((), ()))[0]) + 1) - 1
             if waiting[key] == 0:
-                ready(s + 1, hop.dst, p)
+                ready(s + 1, node, p)
 
         for node, p in itertools.product(self.nodes, range(k)):
             ready(0, node, p)
-        for s, hop, p, a, b, work in recvs:
+        for s, p, hop, a, b, work in recvs:
             self._wait([work], f"{what} step {s}" if last > 1 else what)
             landed(s, hop, p, a, b, hop.into[a:b])
         self._wait(sends, what)
 
-    def _cuts(self, steps) -> int:
-        """Pieces per hop in a relay: one, unless the transport's wire wants more."""
+    def _pieces(self, size: int, n_steps: int, unit: int) -> int:
+        """Pieces per hop in a relay of hops of at most ``size`` bytes: one, unless the
+        transport's wire wants more."""
         return 1
 
     @abc.abstractmethod
@@ -301,7 +296,7 @@ class Communicator(abc.ABC):
         here = dict(zip(self.nodes, vs))
         biggest = max(hi - lo for lo, hi in bounds)
 
-        def step(s: int) -> Tuple[List[Hop], Arrived]:
+        def step(s: int) -> Step:
             hops = []
             for i in [i for i in range(n) if self.mine(i) or self.mine((i + 1) % n)]:
                 dst, (lo, hi) = (i + 1) % n, bounds[(i - s) % n]
@@ -319,9 +314,9 @@ class Communicator(abc.ABC):
                         mine.div_(n)
                 elif hop.into is None:   # within this process (from another rank it landed in place)
                     mine.copy_(piece)
-            return hops, arrived
+            return Step(hops, arrived)
 
-        self.relay([step(s) for s in range(2 * n - 2)], "ring")
+        self.relay([step(s) for s in range(2 * n - 2)], "ring", biggest * vs[0].element_size())
 
     def _mix(self, vs: Sequence[torch.Tensor]) -> None:
         """``gossip_steps`` neighbour-mixing steps (one, for ``decentralized``)."""

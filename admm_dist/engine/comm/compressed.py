@@ -1,6 +1,6 @@
-"""Compressed consensus (``compress int8 | fp8``): every payload is a node's *change* against a
+"""Compressed consensus (``compress int8 | fp8 | int4``): every payload is a node's *change* against a
 public copy that sender and receivers keep bit-identical, so the error of the compressor
-(:mod:`~admm_dist.engine.comm.compress`) vanishes as the iterates settle and ADMM reaches the
+(:mod:`admm_dist.engine.codec`) vanishes as the iterates settle and ADMM reaches the
 optimum itself, not a neighbourhood of it.
 
 Written once as schedules of node-to-node messages over :meth:`Communicator.exchange` (in
@@ -28,16 +28,18 @@ own chunk) for the exact-mean modes. It starts at zero.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from admm_dist.engine.comm.compress import decode_, encode, payload_bytes
+from admm_dist.engine.comm.schedule import Step, pieces
+from admm_dist.engine.codec import BLOCK, codec
 from admm_dist.engine.comm.meter import chunk_bounds
 from admm_dist.engine.comm.topology import MIXING
 
 if TYPE_CHECKING:
     from admm_dist.engine.comm.communicator import Communicator
+    from admm_dist.engine.comm.schedule import Hop
 
 
 def _slot(comm: "Communicator", node: int, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -46,10 +48,6 @@ def _slot(comm: "Communicator", node: int, name: str, numel: int, like: torch.Te
     if t is None:
         t = state[name] = torch.zeros(numel, dtype=torch.float32, device=like.device)
     return t
-
-
-def _decoded(payload: torch.Tensor, numel: int, compress: str, like: torch.Tensor) -> torch.Tensor:
-    return decode_(torch.empty(numel, dtype=torch.float32, device=like.device), payload, compress)
 
 
 def consensus_(comm: "Communicator", vectors: Sequence[torch.Tensor]) -> None:
@@ -61,28 +59,32 @@ def consensus_(comm: "Communicator", vectors: Sequence[torch.Tensor]) -> None:
 
 def bytes_sent(comm: "Communicator", numel: int, node: int) -> int:
     """What ``node`` sends in one compressed consensus_ of ``numel`` values."""
-    n, c = comm.n_nodes, comm.compress
+    n, size = comm.n_nodes, codec(comm.compress).payload_bytes
     if comm.mode in MIXING:
-        return comm.gossip_steps * len(comm.neighbours[node]) * payload_bytes(numel, c)
+        return comm.gossip_steps * len(comm.neighbours[node]) * size(numel)
     sizes = [hi - lo for lo, hi in chunk_bounds(numel, n)]
-    return sum(payload_bytes(s, c) for k, s in enumerate(sizes) if k != node) + (n - 1) * payload_bytes(sizes[node], c)
+    return sum(size(s) for k, s in enumerate(sizes) if k != node) + (n - 1) * size(sizes[node])
 
 
 def _mix(comm: "Communicator", vs: Sequence[torch.Tensor]) -> None:
-    here = dict(zip(comm.nodes, vs))
-    p, c = vs[0].numel(), comm.compress
-    size = payload_bytes(p, c)
+    here, cod = dict(zip(comm.nodes, vs)), codec(comm.compress)
+    p, u8 = vs[0].numel(), vs[0].new_empty(0, dtype=torch.uint8)
+    size = cod.payload_bytes(p)
     for step in range(comm.gossip_steps):
-        sent: Dict[int, torch.Tensor] = {}
-        for i in comm.nodes:
-            own = _slot(comm, i, f"hat.{i}", p, vs[0])
-            sent[i] = encode(here[i] - own, c)
-            own.add_(_decoded(sent[i], p, c, vs[0]))
-        hops = [comm.byte_hop(i, j, sent.get(i), size, vs[0].device) for i in range(comm.n_nodes) for j in comm.neighbours[i]]
-        got = comm.exchange(hops, f"compressed mixing step {step}")
-        for j in comm.nodes:
-            for i in comm.neighbours[j]:
-                _slot(comm, j, f"hat.{i}", p, vs[0]).add_(_decoded(got[(i, j)], p, c, vs[0]))
+        sent = {i: comm.buffer(("q", i), size, u8) for i in comm.nodes}
+
+        def make(i: int, q: int, k: int) -> None:   # piece q of Q(v_i - h_i); h_i moves by it
+            a, b = pieces(p, k, BLOCK)[q]
+            cod.encode_(sent[i][cod.payload_bytes(a):cod.payload_bytes(b)], here[i][a:b],
+                        _slot(comm, i, f"hat.{i}", p, vs[0])[a:b])
+
+        def arrived(hop: "Hop", a: int, b: int, piece: torch.Tensor) -> None:   # j's copy of h_i moves
+            lo, hi = cod.values(a, b, p)
+            cod.decode_(_slot(comm, hop.dst, f"hat.{hop.src}", p, vs[0])[lo:hi], piece, add=True)
+
+        hops = [comm.byte_hop(i, j, sent.get(i), size, vs[0].device) for i in range(comm.n_nodes)
+                for j in comm.neighbours[i]]
+        comm.relay([Step(hops, arrived, make, cod.block_bytes)], f"compressed mixing step {step}", size)
         mixed = {}
         for i in comm.nodes:
             row, own = comm.weights[i], comm.compress_state[i][f"hat.{i}"]
@@ -95,38 +97,47 @@ def _mix(comm: "Communicator", vs: Sequence[torch.Tensor]) -> None:
 
 
 def _owner_mean(comm: "Communicator", vs: Sequence[torch.Tensor]) -> None:
-    n, c = comm.n_nodes, comm.compress
-    p = vs[0].numel()
+    """One relay of two steps: chunk k of each node's change to node k; node k's change of the
+    mean to every node. Node k makes piece q of the second step once piece q of every node's
+    chunk k has arrived, and decodes them in node order, so the sum's bits do not depend on the
+    order in which they came."""
+    n, cod, mine = comm.n_nodes, codec(comm.compress), comm.mine
+    p, u8, dev = vs[0].numel(), vs[0].new_empty(0, dtype=torch.uint8), vs[0].device
     bounds = chunk_bounds(p, n)
     here = dict(zip(comm.nodes, vs))
-    sizes = [payload_bytes(hi - lo, c) for lo, hi in bounds]
-    # reduce-scatter: chunk k of node i's change goes to node k
-    ins: Dict[int, List[torch.Tensor]] = {}
-    for i in comm.nodes:
+    sizes = [cod.payload_bytes(hi - lo) for lo, hi in bounds]
+    ins = {i: [comm.buffer(("in", i, k), sizes[k], u8) for k in range(n)] for i in comm.nodes}
+    outs = {k: comm.buffer(("out", k), sizes[k], u8) for k in comm.nodes}
+    hops = [comm.byte_hop(i, k, ins[i][k] if mine(i) else None, sizes[k], dev) for i in range(n) for k in range(n) if k != i]
+    got = {(h.src, h.dst): h.data if mine(h.src) else h.into for h in hops if mine(h.dst)}
+
+    def cut(k: int, q: int, parts: int):   # piece q of chunk k: its values [a, b), its payload's bytes
+        a, b = pieces(bounds[k][1] - bounds[k][0], parts, BLOCK)[q]
+        return a, b, slice(cod.payload_bytes(a), cod.payload_bytes(b))
+
+    def make_in(i: int, q: int, parts: int) -> None:   # piece q of every chunk of Q(v_i - h_i)
         h = _slot(comm, i, "h", p, vs[0])
-        change = here[i] - h
-        ins[i] = []
-        for lo, hi in bounds:
-            q = encode(change[lo:hi], c)
-            h[lo:hi].add_(_decoded(q, hi - lo, c, vs[0]))
-            ins[i].append(q)
-    hops = [comm.byte_hop(i, k, ins[i][k] if comm.mine(i) else None, sizes[k], vs[0].device)
-            for i in range(n) for k in range(n) if k != i]
-    got = comm.exchange(hops, "compressed reduce-scatter")
-    outs: Dict[int, torch.Tensor] = {}
-    for k in comm.nodes:   # node k owns chunk k: the exact mean of the h's, then its change for all
+        for k, (lo, _) in enumerate(bounds):
+            a, b, at = cut(k, q, parts)
+            cod.encode_(ins[i][k][at], here[i][lo + a:lo + b], h[lo + a:lo + b])
+
+    def make_out(k: int, q: int, parts: int) -> None:   # owner k: the mean's piece q, then its change
         lo, hi = bounds[k]
-        total = torch.zeros(hi - lo, dtype=torch.float32, device=vs[0].device)
+        a, b, at = cut(k, q, parts)
+        total = torch.zeros(b - a, dtype=torch.float32, device=dev)
         for i in range(n):
-            total.add_(_decoded(ins[k][k] if i == k else got[(i, k)], hi - lo, c, vs[0]))
-        mean = _slot(comm, k, "H", hi - lo, vs[0])
+            cod.decode_(total, (ins[k][k] if i == k else got[(i, k)])[at], add=True)
+        mean = _slot(comm, k, "H", hi - lo, vs[0])[a:b]
         mean.add_(total.div_(n))
-        zhat = _slot(comm, k, "zhat", p, vs[0])
-        outs[k] = encode(mean - zhat[lo:hi], c)
-    hops = [comm.byte_hop(k, j, outs.get(k), sizes[k], vs[0].device) for k in range(n) for j in range(n) if j != k]
-    got = comm.exchange(hops, "compressed all-gather")
+        cod.encode_(outs[k][at], mean, _slot(comm, k, "zhat", p, vs[0])[lo + a:lo + b])
+
+    def arrived(hop: "Hop", a: int, b: int, piece: torch.Tensor) -> None:   # node j's zhat moves
+        lo, hi = bounds[hop.src]
+        va, vb = cod.values(a, b, hi - lo)
+        cod.decode_(_slot(comm, hop.dst, "zhat", p, vs[0])[lo + va:lo + vb], piece, add=True)
+
+    back = [comm.byte_hop(k, j, outs.get(k), sizes[k], dev) for k in range(n) for j in range(n) if j != k]
+    comm.relay([Step(hops, None, make_in, cod.block_bytes), Step(back, arrived, make_out, cod.block_bytes)],
+               "compressed mean", max(sizes))
     for j in comm.nodes:
-        zhat = _slot(comm, j, "zhat", p, vs[0])
-        for k, (lo, hi) in enumerate(bounds):
-            zhat[lo:hi].add_(_decoded(outs[k] if k == j else got[(k, j)], hi - lo, c, vs[0]))
-        here[j].copy_(zhat)
+        here[j].copy_(_slot(comm, j, "zhat", p, vs[0]))

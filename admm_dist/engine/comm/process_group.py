@@ -29,7 +29,8 @@ def gather_blocks(rows: torch.Tensor, blocks: Sequence[range], group, timeout, w
 class ProcessGroupCommunicator(Communicator):
     """Nodes ``blocks(N, W)[rank]`` of this rank, exchanged with the other ranks' blocks."""
 
-    segment_bytes = 16 << 20   # the largest piece of a payload on the wire (docs/benchmarks.md)
+    segment_bytes = 16 << 20   # the largest piece of an fp32 payload on the wire (docs/benchmarks.md)
+    coded_bytes = 1 << 20      # the largest piece of a compressed one
 
     def __init__(self, *, mode: str, n_nodes: int, timeout: datetime.timedelta,
                  group: Optional[dist.ProcessGroup] = None, topology: str = "ring",
@@ -67,26 +68,26 @@ class ProcessGroupCommunicator(Communicator):
         except Exception as e:  # a peer that died is reported when the next message is posted
             raise CommError(f"rank {self.rank}: posting the messages of {what} failed ({first_line(e)})") from e
 
-    def relay(self, steps, what: str) -> None:
+    def relay(self, steps, what: str, size: int) -> None:
         """Under gloo, each message is posted itself (a batch costs ~75 us more) and each piece
-        forwarded when ready (:meth:`Communicator.relay`). NCCL queues the messages to one peer
-        on one stream, where a receive posted ahead of a send would block it: there each step
-        is one group call (``batch_isend_irecv``) of whole hops."""
+        made and forwarded when ready (:meth:`Communicator.relay`). NCCL queues the messages to
+        one peer on one stream, where a receive posted ahead of a send would block it: there
+        each step is one group call (``batch_isend_irecv``) of whole hops."""
         if not self.nccl:
-            return super().relay(steps, what)
+            return super().relay(steps, what, size)
         for s, step in enumerate(steps):
-            super().relay([step], f"{what} step {s}" if len(steps) > 1 else what)
+            super().relay([step], f"{what} step {s}" if len(steps) > 1 else what, size)
 
-    def _cuts(self, steps) -> int:
-        """Pieces per hop in a relay: 2 (one is added while the other is on the wire; more cost
-        more per message than they overlap, on 2 cores: docs/benchmarks.md), more where a piece
-        would exceed :attr:`segment_bytes`, one below 256 KiB; fewer if the tags would not fit."""
-        payloads = [h for hops, _ in steps for hop in hops for h in (hop.data, hop.into) if h is not None]
-        if self.nccl or not payloads:
+    def _pieces(self, size: int, n_steps: int, unit: int) -> int:
+        """Pieces per hop: 2 of fp32 (one is added while the other is on the wire; more cost more
+        per message than they overlap, on 2 cores: docs/benchmarks.md), more where a piece would
+        exceed :attr:`segment_bytes`, one below 256 KiB; coded payloads (``unit`` > 1) in pieces
+        of at most :attr:`coded_bytes`, so the codec's work on one overlaps the wire's on the
+        others; fewer if the tags (step, src, dst, piece) would not fit."""
+        if self.nccl or size == 0:
             return 1
-        size, tags = max(h.nbytes for h in payloads), (2 ** 31 - 1) // (len(steps) * self.n_nodes ** 2)
-        pieces = max(2 if size >= 512 << 10 else 1, -(-size // self.segment_bytes))   # 2 of >= 256 KiB
-        return max(1, min(pieces, min(h.numel() for h in payloads), tags))   # tags: (step, src, dst, piece)
+        pieces = max(2 if size >= 512 << 10 else 1, -(-size // (self.segment_bytes if unit == 1 else self.coded_bytes)))
+        return max(1, min(pieces, (2 ** 31 - 1) // (n_steps * self.n_nodes ** 2)))
 
     def _sum_ranks(self, total: torch.Tensor) -> None:
         self._wait([dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group, async_op=True)], "all_reduce")

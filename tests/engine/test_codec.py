@@ -1,21 +1,22 @@
-"""The int8 / fp8 block codec, and compressed consensus in one process: the public-copy
+"""The int8 / fp8 / int4 block codec, and compressed consensus in one process: the public-copy
 schemes reach the least-squares optimum itself, on every mode."""
 import pytest
 import torch
 
 from admm_dist.core.errors import UserError
 from admm_dist.engine.comm import LocalCommunicator
-from admm_dist.engine.comm.compress import BLOCK, check_compress, decode_, encode, payload_bytes
+from admm_dist.engine.codec import BLOCK, Codec, check_compress, decode_, encode, payload_bytes
 from admm_dist.engine.lsq import LeastSquares, solve
 
 
-@pytest.mark.parametrize("compress,bound", [("int8", 0.5 / 127), ("fp8", 2.0 ** -4)])
+@pytest.mark.parametrize("compress,bound", [("int8", 0.5 / 127), ("fp8", 2.0 ** -4), ("int4", 0.5 / 7)])
 @pytest.mark.parametrize("p", [1, BLOCK - 1, BLOCK, BLOCK + 1, 1001])
 def test_a_payload_is_codes_and_block_scales_and_decodes_within_the_formats_step(compress, bound, p):
     v = torch.randn(p, generator=torch.Generator().manual_seed(p)) * 3
     v[0] = 0.0
     payload = encode(v, compress)
-    assert payload.dtype == torch.uint8 and payload.numel() == payload_bytes(p, compress) == p + 4 * -(-p // BLOCK)
+    codes = p if compress != "int4" else p // BLOCK * BLOCK // 2 + (p % BLOCK + 1) // 2   # two to a byte
+    assert payload.dtype == torch.uint8 and payload.numel() == payload_bytes(p, compress) == codes + 4 * -(-p // BLOCK)
     out = decode_(torch.empty(p), payload, compress)
     # every value within half an int8 step (or e4m3's relative step) of its block's absmax
     for lo in range(0, p, BLOCK):
@@ -25,18 +26,42 @@ def test_a_payload_is_codes_and_block_scales_and_decodes_within_the_formats_step
     assert torch.equal(decode_(torch.empty(5), encode(torch.zeros(5), compress), compress), torch.zeros(5))
 
 
-def test_int8_and_fp8_cost_about_a_quarter_of_fp32_and_unknown_names_are_refused():
+def test_int8_and_fp8_cost_about_a_quarter_of_fp32_int4_under_015_and_unknown_names_are_refused():
     p = 1 << 20
     assert payload_bytes(p, "none") == 4 * p
     assert payload_bytes(p, "int8") / (4 * p) == pytest.approx(0.2656, abs=1e-4)
     assert payload_bytes(p, "fp8") == payload_bytes(p, "int8")
-    with pytest.raises(UserError, match="choose one of none, int8, fp8"):
-        check_compress("int4")
+    assert payload_bytes(p, "int4") / (4 * p) == pytest.approx(0.1406, abs=1e-4) and payload_bytes(p, "int4") <= 0.15 * 4 * p
+    with pytest.raises(UserError, match="choose one of none, int8, fp8, int4"):
+        check_compress("int2")
+
+
+@pytest.mark.parametrize("compress", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("p", [BLOCK * 40, BLOCK * 40 + 13])
+def test_a_payload_cut_at_block_boundaries_is_the_payloads_of_its_pieces(compress, p):
+    """What lets the transport encode, send and decode a message piece by piece: every cut at a
+    block boundary codes its values exactly as the whole does, and the sender's public copy
+    moves by exactly what a receiver decodes."""
+    c = Codec(compress)
+    g = torch.Generator().manual_seed(p)
+    v, h = torch.randn(p, generator=g), torch.randn(p, generator=g) * 0.1
+    whole = encode(v - h, compress)
+    cut, bytes_cut = BLOCK * 17, c.payload_bytes(BLOCK * 17)
+    assert c.values(bytes_cut, whole.numel(), p) == (BLOCK * 17, p)
+    pieces, moved = torch.empty_like(whole), h.clone()
+    c.encode_(pieces[:bytes_cut], v[:cut], moved[:cut])
+    c.encode_(pieces[bytes_cut:], v[cut:], moved[cut:])
+    assert torch.equal(pieces, whole)
+    received = h.clone()
+    c.decode_(received[:cut], whole[:bytes_cut], add=True)
+    c.decode_(received[cut:], whole[bytes_cut:], add=True)
+    assert torch.equal(received, moved)
+    assert torch.equal(received, h + decode_(torch.empty(p), whole, compress))
 
 
 @pytest.mark.parametrize("mode,topology", [("ring", "ring"), ("coordinator", "ring"),
                                            ("decentralized", "ring"), ("decentralized", "chain")])
-@pytest.mark.parametrize("compress", ["int8", "fp8"])
+@pytest.mark.parametrize("compress", ["int8", "fp8", "int4"])
 def test_compressed_modes_reach_the_optimum_not_a_neighbourhood(mode, topology, compress):
     """Least squares, 4 nodes, exact x-steps: the change against a public copy is what is
     quantized, so the error of the codec vanishes with the iterates' changes."""
