@@ -178,17 +178,23 @@ class Communicator(abc.ABC):
             if waiting[key] == 0:
                 ready(s + 1, node, p)
 
-        for node, p in itertools.product(self.nodes, range(k)):
-            ready(0, node, p)
-        for s, p, hop, a, b, work in recvs:
-            self._wait([work], f"{what} step {s}" if last > 1 else what)
-            landed(s, hop, p, a, b, hop.into[a:b])
-        self._wait(sends, what)
+        try:
+            for node, p in itertools.product(self.nodes, range(k)):
+                ready(0, node, p)
+            for s, p, hop, a, b, work in recvs:
+                self._wait([work], f"{what} step {s}" if last > 1 else what)
+                landed(s, hop, p, a, b, hop.into[a:b])
+            self._wait(sends, what)
+        finally:   # ready, landed and done call each other: a cycle, which must not keep the hops
+            steps, recvs, sends = (), [], []
+
+    coded_bytes = 1 << 20   # the largest piece of a compressed message (and of the codec's scratch)
 
     def _pieces(self, size: int, n_steps: int, unit: int) -> int:
-        """Pieces per hop in a relay of hops of at most ``size`` bytes: one, unless the
-        transport's wire wants more."""
-        return 1
+        """Pieces per hop in a relay of hops of at most ``size`` bytes: a compressed message
+        (``unit`` > 1) in pieces of at most :attr:`coded_bytes`, so the codec works on a piece at
+        a time; an fp32 one whole, unless the transport's wire wants more."""
+        return 1 if unit == 1 else max(1, -(-size // self.coded_bytes))
 
     @abc.abstractmethod
     def _p2p(self, what: str, send: bool, tensor: torch.Tensor, node: int, tag: int):
@@ -198,11 +204,13 @@ class Communicator(abc.ABC):
     def _wait(self, works: Sequence, what: str) -> None:
         """Wait for posted messages, each bounded in time."""
 
-    def byte_hop(self, src: int, dst: int, payload: Optional[torch.Tensor], size: int, device) -> Hop:
-        """A hop of ``size`` bytes (``uint8``), with a landing buffer where it comes from another rank."""
+    def byte_hop(self, src: int, dst: int, payload: Optional[torch.Tensor], size: int, like: torch.Tensor,
+                 step: int = 0) -> Hop:
+        """A hop of ``size`` bytes (``like``'s dtype and device: ``uint8``) at ``step`` of a relay,
+        with a landing buffer (kept between calls) where it comes from another rank."""
         into = None
         if self.mine(dst) and not self.mine(src):
-            into = torch.empty(size, dtype=torch.uint8, device=device)
+            into = self.buffer(("hop", step, src, dst), size, like)
         return Hop(src, dst, payload if self.mine(src) else None, into)
 
     def _meter(self, hop: Hop) -> None:

@@ -82,18 +82,14 @@ def _mix(comm: "Communicator", vs: Sequence[torch.Tensor]) -> None:
             lo, hi = cod.values(a, b, p)
             cod.decode_(_slot(comm, hop.dst, f"hat.{hop.src}", p, vs[0])[lo:hi], piece, add=True)
 
-        hops = [comm.byte_hop(i, j, sent.get(i), size, vs[0].device) for i in range(comm.n_nodes)
+        hops = [comm.byte_hop(i, j, sent.get(i), size, u8) for i in range(comm.n_nodes)
                 for j in comm.neighbours[i]]
         comm.relay([Step(hops, arrived, make, cod.block_bytes)], f"compressed mixing step {step}", size)
-        mixed = {}
-        for i in comm.nodes:
+        gap = comm.buffer("gap", p, vs[0])
+        for i in comm.nodes:   # v_i + sum_j W_ij (h_j - h_i): it reads only public copies, so in place
             row, own = comm.weights[i], comm.compress_state[i][f"hat.{i}"]
-            out = here[i].clone()
             for j in comm.neighbours[i]:
-                out.add_(comm.compress_state[i][f"hat.{j}"] - own, alpha=row[j])
-            mixed[i] = out
-        for i in comm.nodes:
-            here[i].copy_(mixed[i])
+                here[i].add_(torch.sub(comm.compress_state[i][f"hat.{j}"], own, out=gap), alpha=row[j])
 
 
 def _owner_mean(comm: "Communicator", vs: Sequence[torch.Tensor]) -> None:
@@ -108,7 +104,7 @@ def _owner_mean(comm: "Communicator", vs: Sequence[torch.Tensor]) -> None:
     sizes = [cod.payload_bytes(hi - lo) for lo, hi in bounds]
     ins = {i: [comm.buffer(("in", i, k), sizes[k], u8) for k in range(n)] for i in comm.nodes}
     outs = {k: comm.buffer(("out", k), sizes[k], u8) for k in comm.nodes}
-    hops = [comm.byte_hop(i, k, ins[i][k] if mine(i) else None, sizes[k], dev) for i in range(n) for k in range(n) if k != i]
+    hops = [comm.byte_hop(i, k, ins[i][k] if mine(i) else None, sizes[k], u8) for i in range(n) for k in range(n) if k != i]
     got = {(h.src, h.dst): h.data if mine(h.src) else h.into for h in hops if mine(h.dst)}
 
     def cut(k: int, q: int, parts: int):   # piece q of chunk k: its values [a, b), its payload's bytes
@@ -136,7 +132,7 @@ def _owner_mean(comm: "Communicator", vs: Sequence[torch.Tensor]) -> None:
         va, vb = cod.values(a, b, hi - lo)
         cod.decode_(_slot(comm, hop.dst, "zhat", p, vs[0])[lo + va:lo + vb], piece, add=True)
 
-    back = [comm.byte_hop(k, j, outs.get(k), sizes[k], dev) for k in range(n) for j in range(n) if j != k]
+    back = [comm.byte_hop(k, j, outs.get(k), sizes[k], u8, step=1) for k in range(n) for j in range(n) if j != k]
     comm.relay([Step(hops, None, make_in, cod.block_bytes), Step(back, arrived, make_out, cod.block_bytes)],
                "compressed mean", max(sizes))
     for j in comm.nodes:

@@ -30,7 +30,6 @@ class ProcessGroupCommunicator(Communicator):
     """Nodes ``blocks(N, W)[rank]`` of this rank, exchanged with the other ranks' blocks."""
 
     segment_bytes = 16 << 20   # the largest piece of an fp32 payload on the wire (docs/benchmarks.md)
-    coded_bytes = 1 << 20      # the largest piece of a compressed one
 
     def __init__(self, *, mode: str, n_nodes: int, timeout: datetime.timedelta,
                  group: Optional[dist.ProcessGroup] = None, topology: str = "ring",
