@@ -413,6 +413,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         why = missing() if any(r != LOOPBACK for r in rates) else None
         if why:
             raise LinksError(why)
+        # SIGTERM (a job's end, or kill PID) unwinds like an error, so the namespaces are deleted
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         with tempfile.TemporaryDirectory(prefix="admm-links-") as folder:
             result = run(nodes, rates, sizes, modes, compress, args.reps, folder)
     except LinksError as e:

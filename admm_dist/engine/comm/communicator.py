@@ -19,6 +19,7 @@ wire bytes of an N-rank run).
 from __future__ import annotations
 
 import abc
+import collections
 import itertools
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -153,40 +154,38 @@ class Communicator(abc.ABC):
                  if hop.into is not None for p, (a, b) in enumerate(pieces(hop.into.numel(), k, steps[s].unit))]
         recvs.sort(key=lambda r: r[:2])   # (step, piece), then hops in (src, dst) order
         sends, waiting = [], {}
+        todo = collections.deque(itertools.product([0], self.nodes, range(k)))   # (step, node, piece) that may go
 
-        def ready(s: int, node: int, p: int) -> None:   # piece p of what ``node`` sends at step s may go
-            if s == last:
-                return
-            if steps[s].make is not None:
-                steps[s].make(node, p, k)
-            for hop in ends.get((s, node), ((), ()))[1]:
-                a, b = pieces(hop.data.numel(), k, steps[s].unit)[p]
-                if self.mine(hop.dst):
-                    landed(s, hop, p, a, b, hop.data[a:b])
-                else:
-                    sends.append(post(True, hop.data[a:b], hop.dst, s, hop, p))
-            done(s, node, p)
-
-        def landed(s: int, hop: Hop, p: int, a: int, b: int, piece: torch.Tensor) -> None:
-            if steps[s].arrived is not None:
-                steps[s].arrived(hop, a, b, piece)
-            done(s, hop.dst, p)
-
-        def done(s: int, node: int, p: int) -> None:   # one of the things piece p at step s + 1 waits for
+        def count(s: int, node: int, p: int) -> None:   # one of what piece p of node's step s + 1 waits for
             key = (s, node, p)
             waiting[key] = waiting.get(key, len(ends.get((s, node), ((), ()))[0]) + 1) - 1
-            if waiting[key] == 0:
-                ready(s + 1, node, p)
+            if waiting[key] == 0 and s + 1 < last:
+                todo.append((s + 1, node, p))
 
-        try:
-            for node, p in itertools.product(self.nodes, range(k)):
-                ready(0, node, p)
-            for s, p, hop, a, b, work in recvs:
-                self._wait([work], f"{what} step {s}" if last > 1 else what)
-                landed(s, hop, p, a, b, hop.into[a:b])
-            self._wait(sends, what)
-        finally:   # ready, landed and done call each other: a cycle, which must not keep the hops
-            steps, recvs, sends = (), [], []
+        def arrive(s: int, hop: Hop, p: int, a: int, b: int, piece: torch.Tensor) -> None:
+            if steps[s].arrived is not None:
+                steps[s].arrived(hop, a, b, piece)
+            count(s, hop.dst, p)
+
+        def drain() -> None:   # make and send every piece that may go (a queue: no recursion, no cycle)
+            while todo:
+                s, node, p = todo.popleft()
+                if steps[s].make is not None:
+                    steps[s].make(node, p, k)
+                for hop in ends.get((s, node), ((), ()))[1]:
+                    a, b = pieces(hop.data.numel(), k, steps[s].unit)[p]
+                    if self.mine(hop.dst):
+                        arrive(s, hop, p, a, b, hop.data[a:b])
+                    else:
+                        sends.append(post(True, hop.data[a:b], hop.dst, s, hop, p))
+                count(s, node, p)
+
+        drain()
+        for s, p, hop, a, b, work in recvs:
+            self._wait([work], f"{what} step {s}" if last > 1 else what)
+            arrive(s, hop, p, a, b, hop.into[a:b])
+            drain()
+        self._wait(sends, what)
 
     coded_bytes = 1 << 20   # the largest piece of a compressed message (and of the codec's scratch)
 
