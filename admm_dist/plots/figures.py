@@ -374,9 +374,9 @@ def draw_all(inputs: Sequence[str], out_dir: str) -> list[str]:
 def links(records: Sequence[dict], *, rate: str, mib: float, nodes: Sequence[int], modes: Sequence[str],
           payloads: Sequence[str]) -> Figure:
     """``python -m admm_dist.bench.links``: seconds per z-step against N, one line per mode and
-    payload (solid fp32, dashed int8, dotted fp8), at one link rate and vector size."""
+    payload (solid fp32, dashed int8, dotted fp8, dash-dot int4), at one link rate and vector size."""
     fig, (ax,) = new_figure(1, f"{mib:g} MiB vectors at {rate} per link")
-    dashes = {"none": "-", "int8": "--", "fp8": ":"}
+    dashes = {"none": "-", "int8": "--", "fp8": ":", "int4": "-."}
     colours = {m: f"C{i}" for i, m in enumerate(modes)}
     for mode in modes:
         for c in payloads:

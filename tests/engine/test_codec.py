@@ -85,15 +85,16 @@ def test_compressed_gossip_keeps_the_seeds_fixed_point():
         assert float((a - b).norm() / b.norm()) <= 1e-4
 
 
-def test_the_public_copies_are_per_node_state_that_restores_the_run():
+@pytest.mark.parametrize("compress", ["int8", "int4"])
+def test_the_public_copies_are_per_node_state_that_restores_the_run(compress):
     """Stopping after 30 rounds and restoring x, z, u and each node's public copies into a new
     engine continues bit for bit."""
     from admm_dist.engine.admm import ADMMConfig, ADMMEngine
 
     p = LeastSquares(n_nodes=4, seed=0)
-    whole, _ = solve(p, consensus="decentralized", topology="chain", rho=1.0, rounds=60, compress="int8")
-    first, _ = solve(p, consensus="decentralized", topology="chain", rho=1.0, rounds=30, compress="int8")
-    comm = LocalCommunicator(mode="decentralized", n_nodes=4, topology="chain", compress="int8")
+    whole, _ = solve(p, consensus="decentralized", topology="chain", rho=1.0, rounds=60, compress=compress)
+    first, _ = solve(p, consensus="decentralized", topology="chain", rho=1.0, rounds=30, compress=compress)
+    comm = LocalCommunicator(mode="decentralized", n_nodes=4, topology="chain", compress=compress)
     again = ADMMEngine(comm, ADMMConfig(rho=1.0), [torch.zeros(p.dim) for _ in range(4)])
     state = first.state_dict()
     for node in range(4):   # the engine's state holds each node's public copies

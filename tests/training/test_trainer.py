@@ -26,6 +26,7 @@ ARMS = {
     "gossip": dict(consensus="gossip", topology="chain"),
     "decentralized": dict(consensus="decentralized", topology="chain"),
     "ring_int8": dict(consensus="ring", compress="int8"),
+    "ring_int4": dict(consensus="ring", compress="int4"),
     "no_dual": dict(no_dual=True),
     "local_only": dict(local_only=True),
     "centralized": dict(pooled=True, consensus="coordinator"),
