@@ -3,9 +3,11 @@ public copy that sender and receivers keep bit-identical, so the error of the co
 (:mod:`admm_dist.engine.codec`) vanishes as the iterates settle and ADMM reaches the
 optimum itself, not a neighbourhood of it.
 
-Written once as schedules of node-to-node messages over :meth:`Communicator.exchange` (in
-memory between nodes of one process, on the wire between ranks), so the single-process oracle
-and every placement run the same arithmetic in the same order and agree bit for bit.
+Written once as schedules of node-to-node messages over :meth:`Communicator.relay` (in memory
+between nodes of one process, on the wire between ranks), so the single-process oracle and
+every placement run the same arithmetic and agree bit for bit. Each message is made (encoded)
+and seen (decoded) a piece at a time, at codec blocks, while the next piece is on the wire;
+block codes do not depend on where a message is cut, and every sum is taken in node order.
 
 - **Mixing modes** (``gossip``, ``decentralized``): CHOCO-Gossip's public copies (Koloskova,
   Stich, Jaggi 2019). Node i keeps its public copy h_i and a copy of each neighbour's h_j.
