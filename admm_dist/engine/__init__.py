@@ -5,6 +5,7 @@
 - :mod:`~admm_dist.engine.comm`: the communicator interface, its process-group
   implementations (coordinator all_reduce, ring and gossip send/recv) and the single-process
   oracle, with bytes measured by a meter;
+- :mod:`~admm_dist.engine.codec`: the int8 / fp8 / int4 block codec of compressed consensus;
 - :mod:`~admm_dist.engine.admm`: the ADMM round (x-step callback, z and dual updates,
   residuals), which never touches ranks;
 - :mod:`~admm_dist.engine.preemption`: SIGUSR2 noted and agreed, PID files, ``status.json``;
