@@ -19,8 +19,8 @@ bytes are what the meter counts for rank 0's node, which the loopback test check
 interface counters; its *wire time* is those bytes (the larger of sent and received) at the
 link's rate, the least time the payload can take, printed beside the seconds. The codec's own
 encode and decode rates on one thread of this CPU (GB/s of fp32 in and out) are printed too, so
-a reader sees which of the two bounds each cell. It needs root, iproute2 (``ip``, ``tc``) and nsenter; without them it says
-so in one line and exits 2. Every namespace it makes is deleted on the way out, by name.
+a reader sees which of the two bounds each cell. It needs root, iproute2 (``ip``, ``tc``) and
+nsenter; without them it says so in one line and exits 2. Every namespace it makes is deleted on the way out, by name.
 """
 from __future__ import annotations
 

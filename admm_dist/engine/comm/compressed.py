@@ -100,7 +100,7 @@ def _owner_mean(comm: "Communicator", vs: Sequence[torch.Tensor]) -> None:
     chunk k has arrived, and decodes them in node order, so the sum's bits do not depend on the
     order in which they came."""
     n, cod, mine = comm.n_nodes, codec(comm.compress), comm.mine
-    p, u8, dev = vs[0].numel(), vs[0].new_empty(0, dtype=torch.uint8), vs[0].device
+    p, u8, f32 = vs[0].numel(), vs[0].new_empty(0, dtype=torch.uint8), vs[0].new_empty(0, dtype=torch.float32)
     bounds = chunk_bounds(p, n)
     here = dict(zip(comm.nodes, vs))
     sizes = [cod.payload_bytes(hi - lo) for lo, hi in bounds]
@@ -122,7 +122,7 @@ def _owner_mean(comm: "Communicator", vs: Sequence[torch.Tensor]) -> None:
     def make_out(k: int, q: int, parts: int) -> None:   # owner k: the mean's piece q, then its change
         lo, hi = bounds[k]
         a, b, at = cut(k, q, parts)
-        total = torch.zeros(b - a, dtype=torch.float32, device=dev)
+        total = comm.buffer(("total", k), b - a, f32).zero_()   # kept between pieces and calls
         for i in range(n):
             cod.decode_(total, (ins[k][k] if i == k else got[(i, k)])[at], add=True)
         mean = _slot(comm, k, "H", hi - lo, vs[0])[a:b]
