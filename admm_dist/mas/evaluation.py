@@ -382,6 +382,8 @@ def evaluate(args) -> int:
         print(f"note: no training report found for {settings['deploy']}: leakage not checked (pass --train_report)",
               file=sys.stderr)
     print(line)
+    if args.json:
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -394,7 +394,13 @@ class BOnlyLoRA:
             if vec is not None:
                 saved = self.flat.detach().clone()
                 self.load_vector(vec)
-            self.model.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
+            peft_config = self.model.peft_config[ADAPTER_NAME]
+            targets = peft_config.target_modules   # PEFT holds a set: saved in hash order, sorted here
+            peft_config.target_modules = sorted(targets)
+            try:
+                self.model.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
+            finally:
+                peft_config.target_modules = targets
             umask = current_umask()   # the modes a plain mkdir/open gives (mkdtemp's 0700, safetensors' 0600 not)
             for root, _, files in os.walk(tmp):
                 for fn in files:

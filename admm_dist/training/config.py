@@ -398,14 +398,22 @@ class TrainConfig:
     def as_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def semantic(self) -> Dict[str, Any]:
+    def semantic(self, device: Optional[Any] = None) -> Dict[str, Any]:
         """Every setting that changes what is computed (its fingerprint role is "value", said at
-        each key): what a checkpoint records of its run."""
-        return {k: getattr(self, k) for k in keys_by_fingerprint(TrainConfig, "value")}
+        each key): what a checkpoint records of its run. With ``device`` (a torch.device),
+        ``dtype`` is the one it resolves to there (``auto`` is float32 on CPU and bfloat16 on
+        CUDA): a run written with ``auto`` resumes with ``float32`` on CPU, and is refused on
+        CUDA, where the numbers would change."""
+        values = {k: getattr(self, k) for k in keys_by_fingerprint(TrainConfig, "value")}
+        if device is not None:
+            from admm_dist.model.loading import backbone_dtype
 
-    def fingerprint(self) -> str:
+            values["dtype"] = str(backbone_dtype(device, self.dtype)).removeprefix("torch.")
+        return values
+
+    def fingerprint(self, device: Optional[Any] = None) -> str:
         """Hash of :meth:`semantic` (the trainer adds the content of the fit set and init_state)."""
-        return hashlib.sha256(json.dumps(self.semantic(), sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(self.semantic(device), sort_keys=True).encode()).hexdigest()[:16]
 
 
 # Keys that change the numbers but may change when a run resumes (a step size that made the iterates

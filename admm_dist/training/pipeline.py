@@ -132,8 +132,11 @@ def shard(cfg: TrainConfig, f: fs.FitSet, nodes: Sequence[int], report: TrainRep
     if small:
         talk(f"note: node(s) {small} hold fewer examples ({[len(parts[i]) for i in small]}) than "
                   f"batch_size={cfg.batch_size}: each of their steps uses the whole shard")
-    talk(f"fit set {cfg.fitset_cache or '(collected)'}: node sizes {[len(p) for p in parts]}"
-         + (f", dev {len(dev)}" if hold_out else ""))
+    talk(f"fit set {cfg.fitset_cache or '(collected)'}: examples per node {[len(p) for p in parts]}"
+         + (f", {len(dev)} held out to measure the held-out NLL each round (dev_frac={cfg.dev_frac:g})"
+            if hold_out and cfg.dev_frac else "")
+         + (f"; node(s) {', '.join(map(str, empty))} have none, so f_i = 0 (shown as f=-): they move by the "
+            "proximal term and consensus alone (empty_nodes=prox)" if empty else ""))
     return {n: parts[n] for n in nodes}, dev
 
 

@@ -174,8 +174,8 @@ class Trainer:
         # What a checkpoint must match to be this run's: the settings that change what is
         # computed, the fit set's content (not its path) and the initial state's bytes.
         content = {"fitset": self.fit_digest, "init_state": pipeline.file_fingerprint(cfg.init_state)}
-        self.identity = {"settings": cfg.semantic(), **content}   # recorded in checkpoints
-        self.fingerprint = fs.settings_key({"settings": cfg.fingerprint(), **content})[:16]
+        self.identity = {"settings": cfg.semantic(self.ctx.device), **content}   # recorded in checkpoints
+        self.fingerprint = fs.settings_key({"settings": cfg.fingerprint(self.ctx.device), **content})[:16]
 
     def check_outputs(self) -> None:
         self.outputs.check(self.control)
@@ -303,6 +303,9 @@ class Trainer:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux counts KiB
         held = self.control.per_rank([*held_bytes(self.model), rss])   # every rank's, once loaded
         self.report.memory = {key: [int(r[i]) for r in held] for i, key in enumerate(MEMORY_FIGURES)}
+        if self.ctx.env.is_distributed:
+            size = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if "lora_" not in n)
+            self.talk(self.placement.backbone(size, [r[0] for r in held], cfg.shard_backbone))
         if cfg.dry_run:
             self.talk("dry run: fit sets built, stopping before any gradient step")
             self.outputs.write_report(self.reported(), "dryrun")
@@ -348,7 +351,8 @@ class Trainer:
             self.record.add_dev_point(k, nll)
             if self.best is None or nll < self.best.dev_nll:
                 self.best = BestRound(nll, k, self.engine.z[0].detach().clone())
-        self.talk(f"round {k:3d}/{cfg.k_outer}  f={[round(v, 4) for v in rec.f]}  "
+        f = ", ".join("-" if i in self.report.empty_nodes else f"{v:.4g}" for i, v in enumerate(rec.f))
+        self.talk(f"round {k:3d}/{cfg.k_outer}  f=[{f}]  "
                   f"primal={max(rec.primal_normalized):.3e}  dual={max(rec.dual):.3e}  "
                   + (f"rho={rec.rho:.3g}->{self.engine.rho:.3g}  " if cfg.rho_adapt else "") +
                   f"sent={max(rec.bytes_sent)} B  x-step {max(rec.sec_x):.2f}s "

@@ -26,6 +26,14 @@ def test_placement_is_blocks_up_to_n_then_seat_groups_and_refuses_other_worlds()
     assert [list(b) for b in eight.rank_blocks()] == [[0], [0], [1], [1], [2], [2], [3], [3]]
     assert list(eight.seat_group(5)) == [4, 5] and list(Placement(4, 4).seat_group(3)) == [3]
     assert eight.describe().startswith("seat 0: ranks 0-1; seat 1: ranks 2-3")
+    # what each rank holds of the backbone, said beside the map (measured bytes per rank)
+    mib = 2 ** 20
+    assert eight.backbone(mib, [mib / 2] * 8, sharded=True) == "backbone (1.0 MiB): sharded over the 2 ranks of " \
+                                                               "each seat, each rank holding 0.50 of it"
+    assert "holding 0.48 to 0.52 of it" in eight.backbone(100, [52, 48] * 4, sharded=True)
+    assert eight.backbone(100, [100] * 8, sharded=False).endswith(": whole on every rank (2 ranks per seat; "
+                                                                  "shard_backbone=true holds 1/2 each)")
+    assert Placement(4, 2).backbone(100, [100] * 2, sharded=True).endswith("): whole on every rank")
     with pytest.raises(UserError, match=r"world size 6 for 4 seats: launch 4 or 8 ranks"):
         Placement(4, 6)
     with pytest.raises(UserError, match=r"launch 8 or 12 ranks"):

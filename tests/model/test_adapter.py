@@ -372,6 +372,10 @@ def test_export_peft_reproduces_logits(vocab, tmp_path):
     a.export_peft(folder)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(folder))
     assert sorted(os.listdir(tmp_path)) == ["peft"]  # no temp folder left behind
+    with open(os.path.join(folder, "adapter_config.json")) as fh:   # PEFT's set, in one order every run
+        targets = json.load(fh)["target_modules"]
+    assert targets == sorted(a.config.target_modules) and len(targets) == 7
+    assert isinstance(a.model.peft_config["default"].target_modules, set)   # the live model's is PEFT's own
     loaded = PeftModel.from_pretrained(base(vocab), folder)
     with torch.no_grad():
         got = loaded(input_ids=ids).logits

@@ -67,6 +67,20 @@ def test_a_fresh_run_never_mixes_with_the_run_already_in_out(assets, tmp_path, c
     assert rc == 2 and "choose one" in err[0]
 
 
+def test_a_checkpoint_records_the_dtype_the_run_computed_in_not_the_word_auto(assets, tmp_path, capsys):
+    """dtype=auto is float32 on CPU: a run written with auto resumes with dtype=float32, and a
+    resume in bfloat16 (other numbers) is refused, naming dtype."""
+    assert _run(capsys, assets, tmp_path, k_outer=2, dtype="auto")[0] == 0
+    meta = json.loads(_bytes(tmp_path / "runs" / "run.ckpt" / "round-000002" / "node-0.json"))
+    assert meta["identity"]["settings"]["dtype"] == "float32"
+    rc, err = _run(capsys, assets, tmp_path, k_outer=3, resume="auto", dtype="bfloat16")
+    assert rc == 2 and len(err) == 1 and "dtype" in err[0], err
+    rc, err = _run(capsys, assets, tmp_path, k_outer=3, resume="auto", dtype="float32")
+    assert rc == 0, err
+    with open(tmp_path / "reports" / "run-train.json") as fh:
+        assert json.load(fh)["resumed"]["after_round"] == 2
+
+
 def test_resume_refuses_a_checkpoint_past_k_outer(assets, tmp_path, capsys):
     assert _run(capsys, assets, tmp_path, k_outer=3)[0] == 0
     before = _snapshot(tmp_path)

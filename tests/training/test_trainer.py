@@ -280,9 +280,18 @@ def test_local_only_with_an_empty_seat_writes_the_seats_that_moved(assets, tmp_p
     assert report["node_sizes"][2] == 0 and dw[2] == 0.0 and dw[0] > 1e-6 and dw[1] > 1e-6
     x2 = load_file(str(tmp_path / "run" / "node-2.safetensors"))["x"]
     assert torch.count_nonzero(x2) == 0
-    # a coupled run with the same empty seat still moves it (it follows the consensus)
-    report = train_local(_cfg(assets, tmp_path / "coupled", fitset_cache=path, empty_nodes="prox"))
+    # a coupled run with the same empty seat still moves it (it follows the consensus); its
+    # round lines show its f as "-", not a measured 0.0, after one note saying why
+    from admm_dist.engine.dist import distributed, read_env
+
+    lines = []
+    with distributed("cpu", env=read_env({})) as ctx:
+        report = Trainer(_cfg(assets, tmp_path / "coupled", fitset_cache=path, empty_nodes="prox", quiet=False),
+                         ctx, log=lines.append).train()
     assert report["delta_w_rel"] > 1e-6
+    assert [m for m in lines if "node(s) 2 have none, so f_i = 0 (shown as f=-)" in m], lines
+    rounds = [m for m in lines if m.startswith("round ")]
+    assert rounds and all(m.split("f=[")[1].split("]")[0].split(", ")[2] == "-" for m in rounds), rounds
 
 
 def test_an_example_longer_than_the_backbone_positions_names_the_lengths(assets, tmp_path, capsys):
