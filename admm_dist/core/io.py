@@ -1,5 +1,6 @@
-"""Files written atomically (a reader sees the old file or the new one, never half of one), and
-JSON readers whose errors name the file and the line.
+"""Files written atomically (a reader sees the old file or the new one, never half of one),
+JSON readers whose errors name the file and the line, and a model folder's entries checked to be
+files or folders before anything in it is opened.
 
 Data files are JSON/JSONL/safetensors only; nothing here unpickles.
 """
@@ -173,3 +174,26 @@ def read_jsonl(path: str, what: str) -> List[dict]:
                 raise UserError(f"{what} {path}: line {i} is not a JSON object")
             out.append(obj)
     return out
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
+
+
+def check_model_files(folder: str, what: str) -> None:
+    """Refuse, in one line starting with ``what``, an entry of the model folder ``folder`` that
+    is neither a regular file nor a folder, once its links are followed (a hub snapshot's files
+    are links to its blobs): opening a FIFO blocks until someone writes to it, and a device such
+    as /dev/zero can be read forever. Nothing in the folder is opened before this check, by either loader."""
+    with os.scandir(folder) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            path = os.path.join(folder, entry.name)
+            path = path if path.isprintable() else ascii(path)    # one line, whatever the name
+            try:
+                mode = os.stat(entry.path).st_mode
+            except OSError as exc:     # a link to nothing, or a loop of links
+                raise UserError(f"{what} {path} cannot be read ({exc.strerror}): remove it or put the model's "
+                                f"own file there") from None
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                link = " (through a symbolic link)" if entry.is_symlink() else ""
+                raise UserError(f"{what} {path} is {_KINDS.get(stat.S_IFMT(mode), 'not a file')}{link}, not a "
+                                f"regular file: put the model's own file there (nothing was read from it)")

@@ -4,14 +4,18 @@ from __future__ import annotations
 import os
 
 from admm_dist.core.errors import UserError, one_line
+from admm_dist.core.io import check_model_files
 from admm_dist.core.libraries import quiet_libraries
 
 
 def check_model_src(src: str, what: str = "--model_name") -> bool:
-    """Refuse a model path that cannot be a model, before anything loads; True if local."""
+    """Refuse a model path that cannot be a model, before anything loads; True if local. A local
+    folder's entries are checked first (:func:`check_model_files`)."""
     local = os.path.isdir(src)
     if not local and (src.startswith((".", "/", "~")) or src.count("/") > 1 or os.path.exists(src)):
         raise UserError(f"{what} {src}: no such model folder (give a folder with config.json or a hub id)")
+    if local:
+        check_model_files(src, f"{what} {src}:")
     if local and not os.path.isfile(os.path.join(src, "config.json")):
         raise UserError(f"{what} {src}: the folder holds no config.json, so it is not a model folder")
     return local
