@@ -5,26 +5,28 @@
 #   3. accuracy of the chain with the trained consensus adapter on every seat,
 # then what the multi-seed learning benchmark (docs/benchmarks.md) measured for this default:
 # one run is one seed, and the benchmark's mean gain with its 95% interval is the claim.
-# About three minutes on 2 cores. NPROC and CONFIG may be overridden from the environment, and
-# arguments go to the training command as overrides, e.g. report_to=tensorboard (docs/tracking.md).
+# About three minutes on 2 cores. NPROC, CONFIG and PYTHON (the interpreter, as for install.sh)
+# may be overridden from the environment, and arguments go to the training command as overrides,
+# e.g. report_to=tensorboard (docs/tracking.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
 CONFIG=${CONFIG:-configs/cpu/standin_onpolicy.yaml}
 NPROC=${NPROC:-4}
 OUT=runs/cpu/standin_onpolicy
 RES=results/cpu
-EVAL=(python3 -m admm_dist.evaluate --task chain_arith --n 400 --max_new_tokens 16 --batch_size 400)
+EVAL=("$PY" -m admm_dist.evaluate --task chain_arith --n 400 --max_new_tokens 16 --batch_size 400)
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 echo "== before training"
 "${EVAL[@]}" --model_name assets/standin --json "$RES/standin-before.json"
 echo "== on-policy collection and ADMM training ($NPROC ranks)"
-torchrun --standalone --nproc_per_node "$NPROC" -m admm_dist.train --config "$CONFIG" out="$OUT" report_dir="$RES" \
-    overwrite=true "$@"   # the demo replaces its previous run
+"$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m admm_dist.train --config "$CONFIG" \
+    out="$OUT" report_dir="$RES" overwrite=true "$@"   # the demo replaces its previous run
 echo "== after training"
 "${EVAL[@]}" --adapter "$OUT-last.safetensors" --train_report "$RES/standin_onpolicy-train.json" \
     --json "$RES/standin-after.json"
-python3 - "$RES" "$CONFIG" <<'PY'
+"$PY" - "$RES" "$CONFIG" <<'PY'
 import json, os, sys
 b, a = (json.load(open(f"{sys.argv[1]}/standin-{k}.json")) for k in ("before", "after"))
 print(f"this run (one seed): greedy chain accuracy on {a['n']} evaluation rows {b['accuracy']:.3f} -> {a['accuracy']:.3f}")

@@ -12,10 +12,12 @@ wall-clock timeout. It never raises for what the code does; it reports it. Insid
   as root there, out of the program's reach), else the program itself, since a bwrap init
   would share its uid without the seccomp filter and could be ptraced;
 - a filesystem of its own: ``/usr`` (and the ``/bin``, ``/lib*`` links), the Python in use
-  (``sys.prefix``, ``sys.base_prefix``) and a few harmless ``/etc`` files, all read-only; a
-  made-up ``/etc/passwd``; fresh ``/dev`` and ``/proc``; nothing else of the host (no
-  ``/root``, ``/home``, ``/work``, host ``/tmp``, ``/etc/passwd``, sockets). Writable: only a
-  private tmpfs ``/tmp`` of :data:`TMPFS_MB` holding the working folder, and ``/dev/shm``;
+  (``sys.prefix``, ``sys.base_prefix``, whole) and a few harmless ``/etc`` files, all read-only;
+  the folders above a prefix only as the way down to it (a venv inside the clone: the clone's
+  folder holding ``.venv`` alone); a made-up ``/etc/passwd``; fresh ``/dev`` and ``/proc``;
+  nothing else of the host (no ``/root``, ``/home``, ``/work``, host ``/tmp``, ``/etc/passwd``,
+  sockets, the clone's own files). Writable: only a private tmpfs ``/tmp`` of :data:`TMPFS_MB`
+  holding the working folder, and ``/dev/shm``;
 - an empty environment plus a minimal one; no capabilities, ``no_new_privs``, and a seccomp
   filter against new namespaces, mounts, AF_VSOCK and memory outside the limits
   (:mod:`admm_dist.tasks.bubblewrap` builds the command line and the filter);

@@ -18,6 +18,8 @@ from admm_dist.training.config import TrainConfig
 from admm_dist.training.local_steps import LocalSteps
 from admm_dist.training.state import NodeState
 
+from wire import launch_in_netns
+
 
 def test_placement_is_blocks_up_to_n_then_seat_groups_and_refuses_other_worlds():
     assert [list(b) for b in Placement(4, 2).rank_blocks()] == [[0, 1], [2, 3]]
@@ -194,6 +196,6 @@ def test_the_meter_counts_the_seat_groups_bytes_that_cross_the_loopback_wire():
 
     if interface_tx_bytes("lo") is None:
         pytest.skip("no loopback counters in /proc/net/dev")
-    wire, metered = launch_cpu(_seat_wire, 4, 1 << 20, timeout_s=60)[0]     # 4 MiB vectors
+    wire, metered = launch_in_netns(_seat_wire, 4, 1 << 20, timeout_s=60)[0]     # 4 MiB vectors, own loopback
     assert metered == 2 * (4 << 20) + 2 * (4 << 20)   # each leader: half of 4 MiB twice (ring), 4 MiB (broadcast)
     assert abs(wire / metered - 1) <= 0.02, (wire, metered)

@@ -111,30 +111,38 @@ def test_writes_outside_its_folder_do_not_reach_the_host(tmp_path):
 
 
 def ways_to_the_python():
-    """{folder: the entries the sandbox may show there} for every folder on the way down to the
-    interpreter's own prefixes (``sys.prefix``, ``sys.base_prefix``, as given and resolved),
-    wherever they live (a pyenv under /root/.pyenv, a venv under /root/.cache, ...): only the next
-    step towards a prefix, never its siblings. ``/root`` shows nothing unless a prefix is there."""
-    ways = {"/root": set()}
+    """{folder: the entries the sandbox may show there} for every host folder on the way down to
+    the interpreter's own prefixes (``sys.prefix``, ``sys.base_prefix``, as given and resolved),
+    wherever they live (a pyenv under /root/.pyenv, a venv inside the clone or under /root/.cache,
+    ...): only the next step towards a prefix, never its siblings. /usr is shown whole, and /tmp
+    is the sandbox's own (it holds the working folder too); a folder on no way is not there."""
+    ways = {}
     for p in (sys.prefix, sys.base_prefix):
         for q in {os.path.abspath(p), os.path.realpath(p)}:
-            if q == "/usr" or q.startswith(("/usr/", "/tmp/")):
-                continue   # /usr is shown whole; /tmp is the sandbox's own
+            if q == "/usr" or q.startswith("/usr/"):
+                continue
             parts = q.strip("/").split("/")
             for i in range(1, len(parts)):
                 ways.setdefault("/" + "/".join(parts[:i]), set()).add(parts[i])
+    ways.pop("/tmp", None)
     return ways
 
 
 @needs_bwrap
 def test_host_files_and_the_callers_environment_are_hidden(tmp_path, monkeypatch):
+    """Of the host the sandbox shows /usr, a few /etc files and the interpreter's prefixes, whole
+    and read-only; a folder above a prefix is there only as the way down to it. So with a venv
+    inside the clone the clone's folder is there holding ``.venv`` alone: the clone's own files
+    (the package, the tests, results, checkpoints) are not, nor /home, /root, other files under
+    /work, or the caller's environment."""
     env_secret, file_secret = secrets.token_hex(12), secrets.token_hex(12)
     monkeypatch.setenv("ADMM_TEST_SECRET", env_secret)
     secret_file = tmp_path / "secret.txt"
     secret_file.write_text(file_secret)
     secret_file.chmod(0o644)  # readable by anyone: hiding it is the sandbox's job, not the mode's
     ways = ways_to_the_python()
-    listed = ['/', '/home', '/work', '/tmp', '/etc'] + sorted(ways)
+    host = sorted({"/home", "/work", "/root", REPO} | set(ways))  # each shows at most its way, or is not there
+    mine = [os.path.join(REPO, name) for name in ("admm_dist", "tests", "README.md")] + [os.path.abspath(__file__)]
     r = run("import base64, glob, os, zlib\n"
             "seen = [repr(dict(os.environ))]\n"
             f"paths = ['/etc/passwd', '/etc/shadow', {str(secret_file)!r}, {os.path.abspath(__file__)!r}]\n"
@@ -145,9 +153,9 @@ def test_host_files_and_the_callers_environment_are_hidden(tmp_path, monkeypatch
             "        seen.append(open(p, 'rb').read().decode('utf-8', 'replace'))\n"
             "    except OSError as e:\n"
             "        seen.append(f'{p}: {e.strerror}')\n"
-            f"for d in {listed!r}:\n"
+            f"for d in {['/', '/tmp', '/etc'] + host!r}:\n"
             "    seen.append(f'{d}: {sorted(os.listdir(d)) if os.path.isdir(d) else None}')\n"
-            f"seen.append(str(os.path.exists({REPO!r})))\n"
+            f"seen.append(repr([p for p in {mine!r} if os.path.exists(p)]))\n"
             "print(base64.b64encode(zlib.compress('\\n'.join(seen).encode(), 9)).decode())\n")
     assert r.ok and len(r.stdout_tail) < sandbox.TAIL_CHARS, r.stderr_tail
     out = zlib.decompress(base64.b64decode(r.stdout_tail)).decode()
@@ -156,12 +164,33 @@ def test_host_files_and_the_callers_environment_are_hidden(tmp_path, monkeypatch
         host_passwd = f.read()
     assert host_passwd not in out and "root:x:0:0" not in out
     assert f"nobody:x:{sandbox.SANDBOX_UID}" in out  # the made-up one
-    assert out.rstrip().endswith("False")  # the repository does not exist in there
-    assert "/home: None" in out and "/work: None" in out
-    listings = dict(line.split(": ", 1) for line in out.splitlines() if line.split(": ", 1)[0] in ways)
-    for folder, allowed in ways.items():  # at most the way to the Python, wherever it lives
-        shown = ast.literal_eval(listings[folder]) or []   # a sorted list of names, or None
-        assert set(shown) <= allowed, (folder, shown, sorted(allowed))
+    assert out.rstrip().endswith("[]")  # none of the clone's own files, wherever the Python lives
+    listings = dict(line.split(": ", 1) for line in out.splitlines() if line.split(": ", 1)[0] in host)
+    for folder in host:  # at most the way to the Python, else nothing
+        shown = ast.literal_eval(listings[folder])   # a sorted list of names, or None
+        if folder in ways:
+            assert set(shown or []) <= ways[folder], (folder, shown, sorted(ways[folder]))
+        else:
+            assert shown is None, (folder, shown)
+
+
+@needs_bwrap
+def test_a_venv_inside_the_clone_shows_the_clones_folder_holding_it_alone(tmp_path, monkeypatch):
+    """The common layout (``python3 -m venv .venv`` in the clone) wherever the suite itself runs:
+    the sandbox runs that venv's Python and sees its packages, and of the clone only the way to
+    the venv."""
+    clone = tmp_path / "clone"
+    (clone / "admm_dist").mkdir(parents=True)
+    (clone / "admm_dist" / "secret.py").write_text(f"TOKEN = {secrets.token_hex(8)!r}\n")
+    venv = clone / ".venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    monkeypatch.setattr(sys, "executable", str(venv / "bin" / "python"))
+    monkeypatch.setattr(sys, "prefix", str(venv))
+    monkeypatch.setattr(sys, "exec_prefix", str(venv))
+    r = run("import os, sys\n"
+            f"print(sys.prefix, sorted(os.listdir({str(clone)!r})), os.path.exists({str(clone / 'admm_dist')!r}))\n")
+    assert r.ok, r.stderr_tail
+    assert r.stdout_tail.split("\n")[0] == f"{venv} ['.venv'] False"
 
 
 @needs_bwrap
