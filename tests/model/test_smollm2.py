@@ -60,7 +60,7 @@ def test_the_built_folder_is_a_plain_llama_with_bpe_and_its_chat_template(smollm
     assert all("<|im_end|>" not in x.text for x in g)
 
 
-@pytest.mark.timeout(1500)   # about 1.5 min on a quiet 2-core machine; a busy one needs more than the 300 s default
+@pytest.mark.timeout(1500)   # about 3 min on a quiet 2-core machine (the collection: 64 chains); a busy one needs more
 def test_demo_collects_trains_four_seats_exports_peft_and_evaluates_the_adapter(smollm2, tmp_path):
     # NPROC=2: the 4 seats on 2 gloo ranks (the README's command runs one rank per seat; the
     # numbers do not depend on the placement: tests/training/test_trainer.py)
@@ -71,7 +71,18 @@ def test_demo_collects_trains_four_seats_exports_peft_and_evaluates_the_adapter(
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "4 node(s)" in r.stdout and "with the trained adapter" in r.stdout
     rep = json.load(open(tmp_path / "res" / "run-train.json"))      # <report_dir>/<basename of out>-train.json
-    assert rep["n_nodes"] == 4 and rep["collections"][0]["examples"] > 0
+    # the demo trains on something: some sampled chains ended right, and rsft fits each seat on its
+    # messages of them (the collection's "examples" counts every message sampled, right or wrong)
+    col = rep["collections"][0]
+    assert rep["n_nodes"] == 4 and col["examples"] > 0 and col["reward"] == "outcome"
+    assert col["mean_pass_rate"] > 0 and len(rep["node_sizes"]) == 4 and min(rep["node_sizes"]) > 0
+    # and says what its numbers mean, and where they are
+    assert f"pass rate {col['mean_pass_rate']:.3f}: the fraction of the" in r.stdout
+    assert f"{sum(rep['node_sizes'])} examples, {rep['node_sizes']} per seat" in r.stdout
+    for line in (f"evaluation before: {tmp_path / 'res' / 'smollm2-before.json'}",
+                 f"evaluation after:  {tmp_path / 'res' / 'smollm2-after.json'}",
+                 f"training report:   {tmp_path / 'res' / 'run-train.json'}"):
+        assert line in r.stdout.splitlines()
     after = json.load(open(tmp_path / "res" / "smollm2-after.json"))
     before = json.load(open(tmp_path / "res" / "smollm2-before.json"))
     assert after["n"] == before["n"] == ROWS and 0 <= after["accuracy"] <= 1
