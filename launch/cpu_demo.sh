@@ -39,13 +39,12 @@ if sys.argv[2] == "configs/cpu/standin_onpolicy.yaml" and os.path.isfile(bench):
           f"python -m admm_dist.bench.fidelity): mean gain {100 * r['gain']:+.1f} points "
           f"[95% CI {100 * lo:+.1f}, {100 * hi:+.1f}], better than the base on {r['wins']}/{len(s['seeds'])} seeds")
 report = f"{sys.argv[1]}/standin_onpolicy-train.json"
-dw = json.load(open(report))["delta_w_rel"]
 print(f"""What the numbers mean:
 - f=[...] in each round line: each seat's training loss (its objective on its own examples) this round;
   primal: how far the seats' adapters are from their consensus; dual: how far the consensus moved this round.
 - pass rate in a collection line: the fraction of sampled chains that ended with the right answer.
 - accuracy: the fraction of the {a['n']} evaluation rows the 4-seat chain answers right (greedy).
-- delta_w_rel={dw if isinstance(dw, list) else f'{dw:.3g}'} in the done line: how far training moved the adapted weights, ||dW|| / ||W||.
+- delta_w_rel in the done line: how far training moved the adapted weights, ||dW|| / ||W||.
 evaluation before: {sys.argv[1]}/standin-before.json
 evaluation after:  {sys.argv[1]}/standin-after.json
 training report:   {report}""")

@@ -3,17 +3,22 @@
 usage: torchrun --nproc_per_node W -m admm_dist.train [--config FILE.yaml] [overrides ...]
        python -m admm_dist.train [--config FILE.yaml] [overrides ...]
 
-Under torchrun the N ADMM nodes (one per adapted seat) are spread over the W <= N ranks in
-contiguous blocks (one each with W = N; a rank with several nodes keeps one backbone and
-switches their adapters, and hops between its nodes stay in memory); with plain python (or
---backend local) every node runs in this one process on one backbone. Where a node runs never
-changes the numbers. Settings are layered: the defaults below, then the YAML file of --config
+Under torchrun the N ADMM nodes (one per adapted seat) are spread over the W ranks: with
+W <= N in contiguous blocks (one each with W = N; a rank with several nodes keeps one backbone
+and switches their adapters, and hops between its nodes stay in memory), with W = k x N as seat
+groups of k ranks per node (its x-steps data-parallel over micro_batches; shard_backbone=true
+shards its backbone over them); with plain python (or --backend local) every node runs in this
+one process on one backbone. Where a node runs never changes the numbers. Settings are layered: the defaults below, then the YAML file of --config
 (configs/ has the paper's arms and small CPU versions), then overrides as --key value or
 key=value (a bare --flag sets a boolean to true). An unknown key is refused with the closest
 valid name. Bad input ends the run with one line on stderr and exit code 2; a run that cannot
-go on (a peer rank stopped, the iterates diverged) with one line and exit code 1; Ctrl-C
-(SIGINT) or SIGTERM with one line per rank and exit code 130 (143 for SIGTERM), the checkpoints
-written so far kept for resume=auto. The process group is always torn down.
+go on (a peer rank stopped, the iterates diverged) with one line and exit code 1, which names
+the rank that stopped answering where a roll call of the ranks tells it. Under torchrun a
+failure is said once per job, by the rank that meets it first: a failure every rank meets alike
+is not repeated, and the workers torchrun's agent then stops (SIGTERM) say nothing; torchrun
+itself exits 1 after its own summary of the workers' exit codes. Ctrl-C (SIGINT) or SIGTERM
+with one line per rank and exit code 130 (143 for SIGTERM), the checkpoints written so far kept
+for resume=auto. The process group is always torn down.
 """
 from __future__ import annotations
 
@@ -39,12 +44,14 @@ def _help() -> str:
 
 
 class _Where:
-    """What a stop's line names: this rank, and the run's ``out`` once the config is read."""
+    """What a stop's line names: this rank, and the run's ``out`` once the config is read; and
+    whether torchrun's agent started this worker (it SIGTERMs every other worker once one fails)."""
 
     def __init__(self) -> None:
         raw = os.environ.get("RANK", "0")
         self.rank = int(raw) if raw.isdigit() else 0
         self.out: Optional[str] = None
+        self.agent = "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -98,7 +105,7 @@ def _run(argv: List[str], flag: PreemptionFlag, stop: StopSignals, where: _Where
     from torch.distributed import DistError
 
     from admm_dist.core import config_file
-    from admm_dist.core.errors import EXIT_RUN_ERROR, EXIT_USER_ERROR, RunError, UserError
+    from admm_dist.core.errors import RunError, UserError
     from admm_dist.core.libraries import quiet_libraries
     from admm_dist.engine.dist import distributed, read_env
     from admm_dist.engine.preemption import Preempted, record_pid
@@ -110,14 +117,14 @@ def _run(argv: List[str], flag: PreemptionFlag, stop: StopSignals, where: _Where
     try:
         cfg = config_file.load(TrainConfig, argv)
         plan = faults.from_env()
-    except UserError as e:
+    except UserError as e:   # every rank finds it alike: said by the first, once per job
         stop.hold()
-        _say(f"{PROG}: error: {e}")
-        return EXIT_USER_ERROR
+        return _failed(e, where, None, f"{PROG}: error: ")
     where.out = cfg.out
     rank = 0
     unrecord = lambda: None  # noqa: E731
     interrupted = None
+    ctx = None
     try:
         rank = where.rank = read_env().rank
         unrecord = record_pid(rank)
@@ -135,15 +142,13 @@ def _run(argv: List[str], flag: PreemptionFlag, stop: StopSignals, where: _Where
         return 0
     except (UserError, OSError, RunError, DistError) as e:
         stop.hold()
-        msg = _one_line(e)
-        _say(f"{PROG}: error on rank {rank}: {msg}")
-        if rank == 0:
-            _quiet_status("failed", None, cfg.out, msg)
-        return EXIT_USER_ERROR if isinstance(e, (UserError, OSError)) else EXIT_RUN_ERROR
+        return _failed(e, where, ctx.roll_call if ctx is not None else None, f"{PROG}: error on rank {rank}: ")
     else:
         if rank == 0:
             if not cfg.quiet and not cfg.dry_run:
-                print(f"done: {report.get('n_nodes')} node(s), delta_w_rel={report.get('delta_w_rel')}")
+                dw = report.get("delta_w_rel")
+                print(f"done: {report.get('n_nodes')} node(s); training moved the adapted weights by "
+                      f"delta_w_rel = ||dW|| / ||W|| = {dw if isinstance(dw, list) else f'{dw:.3g}'}")
             _quiet_status("finished", cfg.k_outer, cfg.out, "done")
         return 0
     finally:
@@ -151,20 +156,78 @@ def _run(argv: List[str], flag: PreemptionFlag, stop: StopSignals, where: _Where
     return _interrupted(interrupted, where)
 
 
+def _failed(e: BaseException, where: _Where, roll_call, prefix: str) -> int:
+    """The line of a run that failed with ``e``, said once per job
+    (:class:`~admm_dist.engine.job.FirstFailure`): by the rank that fails first. A later rank
+    says nothing when its message is the first one's (bad input every rank finds alike) or when
+    it lost a peer (the first line says why); another problem of its own is still said. The
+    first line of a lost peer names the rank that went away, where the ranks' ``roll_call``
+    tells it. Rank 0 writes the status. The exit code (2 or 1)."""
+    from torch.distributed import DistError
+
+    from admm_dist.core.errors import EXIT_RUN_ERROR, EXIT_USER_ERROR, UserError
+    from admm_dist.engine.comm.communicator import CommError
+    from admm_dist.engine.job import FirstFailure
+
+    lost = isinstance(e, (CommError, DistError))
+    msg = _one_line(e)
+    failures = FirstFailure(_job_env())
+    first = failures.claim(msg)   # this rank's already when distributed() claimed it on the way out
+    if first is None:
+        gone = roll_call.silent() if lost and roll_call is not None else []
+        if gone:
+            msg += f"; rank {', '.join(map(str, gone))} stopped answering (killed, stopped or cut off)"
+            failures.amend(msg)
+    shown = msg.removeprefix(f"rank {where.rank}: ")   # the line names the rank
+    if first is None or (not lost and first[1] != msg):
+        _say(prefix + shown)
+    if where.rank == 0 and where.out is not None:
+        _quiet_status("failed", None, where.out, shown if first is None else _on_rank(*first))
+    return EXIT_USER_ERROR if isinstance(e, (UserError, OSError)) else EXIT_RUN_ERROR
+
+
+def _on_rank(rank: int, message: str) -> str:
+    """Another rank's failure, as rank 0's status says it."""
+    return f"error on rank {rank}: " + message.removeprefix(f"rank {rank}: ")
+
+
+def _job_env():
+    """This worker's place in the job, or None where the environment is itself the error."""
+    from admm_dist.engine.dist import DistConfigError, read_env
+
+    try:
+        return read_env()
+    except DistConfigError:
+        return None
+
+
 def _interrupted(signum: int, where: _Where, late: bool = False) -> int:
     """The one line of a rank stopped by Ctrl-C or SIGTERM (rank 0 also writes the status);
-    ``late``: said by the deadline thread, the main thread being stuck (see StopSignals)."""
+    ``late``: said by the deadline thread, the main thread being stuck (see StopSignals).
+    Nothing is said for a SIGTERM of torchrun's agent that follows another worker's failure:
+    while starting (the agent's own summary names the worker), or once a rank has said the
+    job's first failure (:func:`_failed`), which rank 0 then writes as the status."""
     how = signal_name(signum)
+    if signum == signal.SIGTERM and where.agent:
+        if where.out is None:
+            return 128 + signum
+        from admm_dist.engine.job import FirstFailure
+
+        first = FirstFailure(_job_env()).recorded()
+        if first is not None:
+            if where.rank == 0:
+                _quiet_status("failed", None, where.out, _on_rank(*first))
+            return 128 + signum
     if where.out is None:
-        msg = f"interrupted on rank {where.rank} ({how}) while starting: nothing was written; rerun"
+        msg = f"interrupted on rank {where.rank} ({how}) while starting: nothing was written"
     else:
         from admm_dist.training.checkpoint import all_rounds, ckpt_root
 
         root = ckpt_root(where.out)
         msg = (f"interrupted on rank {where.rank} ({how}): the last checkpoint in {root} is kept; "
                "rerun with resume=auto" if all_rounds(root) else
-               f"interrupted on rank {where.rank} ({how}) before the first checkpoint: nothing to resume; "
-               "rerun (resume=auto starts at round 0)")
+               f"interrupted on rank {where.rank} ({how}) before the first checkpoint: nothing to resume "
+               "(resume=auto starts at round 0)")
     if late:
         msg += " (still busy after the signal: left without tearing down)"
     _say(f"{PROG}: {msg}")
@@ -181,18 +244,17 @@ def _say(line: str) -> None:
 
 
 def _one_line(e: BaseException) -> str:
-    """An exception as one line; an OSError names the path and the reason."""
+    """An exception as one line (:func:`~admm_dist.core.errors.describe`; a DistError's C++ text cut
+    to its cause)."""
     from torch.distributed import DistError
 
-    from admm_dist.core.errors import RunError, UserError
+    from admm_dist.core.errors import describe
+    from admm_dist.engine.comm.communicator import first_line
 
-    if isinstance(e, OSError) and not isinstance(e, (UserError, RunError)):
-        where = f" {e.filename}" if e.filename else ""
-        return f"cannot use{where}: {e.strerror or e} (check the path, its permissions and free space)"
     if isinstance(e, DistError):
-        return (f"the process group failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+        return (f"the process group failed ({type(e).__name__}: {first_line(e)}): "
                 "a peer rank stopped or is unreachable; check every rank's log and the rendezvous address")
-    return " ".join(str(e).split())
+    return describe(e)
 
 
 def _quiet_status(state: str, round_, out: str, message: str) -> None:

@@ -12,7 +12,7 @@
   the run checkpointed and stopped on request.
 
 Anything else (``KeyError``, ``TypeError``, a plain ``ValueError`` from a library) is a bug
-and is left as a traceback.
+and is left as a traceback. :func:`describe` is the one line a command says for an error.
 """
 from __future__ import annotations
 
@@ -34,6 +34,15 @@ class ConfigError(UserError):
 
 class RunError(AdmmDistError, RuntimeError):
     """The run cannot go on although its input was valid (exit code 1)."""
+
+
+def describe(exc: BaseException) -> str:
+    """An error as the one line a command says: an ``OSError`` names its path and reason, any
+    other error is its message with its white space folded."""
+    if isinstance(exc, OSError) and not isinstance(exc, AdmmDistError):
+        where = f" {exc.filename}" if exc.filename else ""
+        return f"cannot use{where}: {exc.strerror or exc} (check the path, its permissions and free space)"
+    return " ".join(str(exc).split())
 
 
 def one_line(exc: BaseException) -> str:

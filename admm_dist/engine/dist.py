@@ -15,7 +15,12 @@ environment itself.
   ``LOCAL_RANK``, creates the default process group with a collective timeout and
   the gloo group of control agreement (:mod:`admm_dist.engine.control`), enters only
   once every rank holds both, and always destroys them on the way out, on success
-  and on failure.
+  and on failure. It joins this rank to the roll call (:mod:`admm_dist.engine.job`); a failure of
+  the backend that leaves its body (:func:`backend_failure`: a collective outside the consensus
+  transport, such as FSDP's gathers, whose peer went away or ran out of time) leaves it as a
+  :class:`~admm_dist.engine.comm.communicator.CommError` of one line, and a failure that is
+  said in one line is claimed as the job's first (:class:`~admm_dist.engine.job.FirstFailure`)
+  before the group is torn down, so a peer that fails of the teardown cannot claim it first.
 """
 from __future__ import annotations
 
@@ -32,9 +37,12 @@ import torch
 import torch.distributed as dist
 
 from admm_dist.core.constants import DEFAULT_TIMEOUT_S
-from admm_dist.core.errors import UserError
+from admm_dist.core.errors import RunError, UserError, describe
+from admm_dist.engine.comm.communicator import CommError, first_line
+from admm_dist.engine.job import FirstFailure, roll_call
 
 if TYPE_CHECKING:
+    from admm_dist.engine.job import RollCall
     from admm_dist.engine.placement import Placement
     from admm_dist.engine.seat_group import SeatGroup
 
@@ -57,6 +65,7 @@ class DistEnv:
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
     agent_store: bool = False       # torchrun's agent hosts the TCPStore
+    restart_count: int = 0          # which attempt of the job this is (torchrun's restarts)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -99,6 +108,7 @@ def read_env(env: Optional[Mapping[str, str]] = None) -> DistEnv:
         master_addr=env.get("MASTER_ADDR") or None,
         master_port=int(port) if port else None,
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
     )
 
 
@@ -152,6 +162,7 @@ class DistContext:
     timeout: datetime.timedelta
     # the gloo group of control agreement (admm_dist.engine.control): CPU under any backend
     control: Optional[dist.ProcessGroup] = None
+    roll_call: Optional["RollCall"] = None   # names the ranks that went away (admm_dist.engine.job)
 
     @property
     def rank(self) -> int:
@@ -223,21 +234,22 @@ def agree_generation(store: dist.Store, rank: int, world_size: int,
 
 
 def _init_group(env: DistEnv, backend: str, timeout: datetime.timedelta, from_environ: bool,
-                kwargs: dict) -> None:
+                kwargs: dict) -> Optional[str]:
+    """Create the default group; the key space of this group in the agent's store (None without one)."""
     if env.agent_store:
         # torchrun's agent keeps one store across restarts: give every group its own
         # key space, or a restarted rank would read a dead attempt's addresses.
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                               is_master=False, timeout=timeout)
         generation = agree_generation(store, env.rank, env.world_size, timeout)
-        store = dist.PrefixStore(f"admm_dist/gen_{generation}", store)
-        dist.init_process_group(backend=backend, store=store, rank=env.rank,
+        prefix = f"admm_dist/gen_{generation}"
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(prefix, store), rank=env.rank,
                                 world_size=env.world_size, timeout=timeout, **kwargs)
-    else:
-        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                init_method="env://" if from_environ
-                                else f"tcp://{env.master_addr}:{env.master_port}",
-                                timeout=timeout, **kwargs)
+        return prefix
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                            init_method="env://" if from_environ else f"tcp://{env.master_addr}:{env.master_port}",
+                            timeout=timeout, **kwargs)
+    return None
 
 
 def _await_every_rank() -> None:
@@ -264,7 +276,9 @@ def distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
     ``timeout_s`` bounds every collective and point-to-point wait: a peer that
     died or diverged makes the others fail with an error instead of hanging.
     The body runs once every rank has formed the group (:func:`_await_every_rank`),
-    so a rank that leaves at once cannot break a peer's set-up.
+    so a rank that leaves at once cannot break a peer's set-up. A failure of the backend that
+    leaves the body (:func:`backend_failure`) leaves as a one-line :class:`CommError`; anything
+    else keeps its own type and traceback.
     """
     if timeout_s <= 0:
         raise DistConfigError(f"timeout_s={timeout_s}: the collective timeout must be > 0 seconds")
@@ -285,7 +299,7 @@ def distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
     if dev.type == "cuda":
         kwargs["device_id"] = dev
     try:
-        _init_group(env, backend, timeout, from_environ, kwargs)
+        prefix = _init_group(env, backend, timeout, from_environ, kwargs)
         if backend == "gloo":
             _await_every_rank()
         control = dist.new_group(backend="gloo", timeout=timeout)
@@ -303,12 +317,41 @@ def distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         raise
+    roll = roll_call(env, prefix) if prefix is not None else None
     try:
-        yield DistContext(env=env, device=dev, backend=backend, timeout=timeout, control=control)
+        yield DistContext(env=env, device=dev, backend=backend, timeout=timeout, control=control, roll_call=roll)
+    except Exception as e:
+        failure = e
+        if backend_failure(e):
+            failure = CommError(f"rank {env.rank}: a collective between ranks failed ({first_line(e)})")
+        if isinstance(failure, (UserError, RunError, OSError)):
+            # a failure said in one line: claimed while the group stands, so that a peer that
+            # fails of this rank's teardown cannot claim it first
+            FirstFailure(env).claim(describe(failure))
+        if failure is e:
+            raise
+        raise failure from e
     finally:
+        if roll is not None:
+            roll.leave()
         # Destroy on success and on failure; a failing peer must not keep us alive.
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+# gloo's own text when a peer went away or a wait ran out (a RuntimeError, not a DistError)
+_LOST_PEER = re.compile(r"Connection (?:closed|reset) by peer|Timed out waiting|timed out connecting|"
+                        r"Operation timed out|Application timeout caused pair closure|Broken pipe")
+
+
+def backend_failure(e: BaseException) -> bool:
+    """Whether ``e`` is the backend saying that a peer went away or a wait ran out: torch's
+    ``DistBackendError``, ``DistNetworkError`` or ``DistStoreError``, or a plain ``RuntimeError``
+    of gloo's with such a text. The one place that tells these from a bug, which keeps its
+    traceback."""
+    if isinstance(e, (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    return type(e) is RuntimeError and _LOST_PEER.search(str(e)) is not None
 
 
 def seat_groups(placement: "Placement", timeout: datetime.timedelta

@@ -133,3 +133,96 @@ def test_ranks_of_a_new_round_agree_on_a_key_space_whatever_their_restart_counts
     assert [p.exitcode for p in procs] == [0, 0]
     assert int(store.add("admm_dist/generation", 0)) == 5   # one fresh generation, drawn once
     assert store.check(["admm_dist/agree/w2/ack/5/1"])
+
+
+# gloo's own texts (torch 2.13), its advice and its sign-off included
+GLHF = ("Check the logs of the remote worker before reporting an error. "
+        "GLHF! \N{BEACH WITH UMBRELLA}\N{VARIATION SELECTOR-16}")
+GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+               f"[127.0.0.1]:54947. This is typically caused by a remote worker crashing. {GLHF}")
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:29862: "
+              "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the "
+              f"application. {GLHF}")
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                "20000ms for recv operation to complete")
+
+
+def test_a_backend_error_is_shortened_to_its_cause_without_the_noise():
+    from admm_dist.engine.comm.communicator import first_line
+
+    assert first_line(RuntimeError(GLOO_CLOSED)) == "Connection closed by peer [127.0.0.1]:54947"
+    assert first_line(RuntimeError(GLOO_RESET)) == "Read error [127.0.0.1]:29862: Connection reset by peer"
+    assert first_line(RuntimeError(GLOO_TIMEOUT)) == "Timed out waiting 20000ms for recv operation to complete"
+    assert first_line(RuntimeError("Operation timed out!\nsecond line")) == "Operation timed out!"
+    assert first_line(RuntimeError("")) == "RuntimeError"
+
+
+def test_only_the_backends_own_failures_are_taken_for_a_lost_peer():
+    """The one place that tells a peer that went away from a bug, which keeps its traceback."""
+    from admm_dist.engine.comm.communicator import CommError
+    from admm_dist.engine.dist import backend_failure
+
+    for lost in (RuntimeError(GLOO_CLOSED), RuntimeError(GLOO_RESET), RuntimeError(GLOO_TIMEOUT),
+                 dist.DistBackendError("NCCL communicator was aborted"), dist.DistNetworkError("recv failed"),
+                 dist.DistStoreError("timeout")):
+        assert backend_failure(lost), lost
+    for bug in (RuntimeError("boom"), RuntimeError("mat1 and mat2 shapes cannot be multiplied"),
+                ValueError(GLOO_CLOSED), KeyError("x"), CommError("rank 0: ring failed")):
+        assert not backend_failure(bug), bug
+
+
+def _a_bug_then_a_peer_that_leaves(rank, port, out):
+    """A worker of a job whose agent keeps the store (here, the test's): in a first group rank 0
+    meets a bug; in a second, rank 1 leaves at once and rank 0 runs a collective the consensus
+    transport does not wrap (a plain all_reduce, as FSDP's gathers are)."""
+    import os
+
+    from admm_dist.engine.comm.communicator import CommError
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    torch.set_num_threads(1)
+    got = []
+    for what in ("bug", "collective"):
+        try:
+            with distributed("cpu", timeout_s=20):
+                if rank == 1:
+                    if what == "collective":
+                        os._exit(0)
+                    continue
+                if what == "bug":
+                    raise RuntimeError("boom")
+                dist.all_reduce(torch.ones(4))
+        except RuntimeError as e:   # CommError is one too
+            got.append((type(e) is CommError, type(e).__name__, str(e)))
+    out.put(got)
+
+
+def test_a_collective_whose_peer_left_leaves_distributed_as_one_line_and_a_bug_as_itself():
+    import datetime
+    import multiprocessing as mp
+
+    from admm_dist.engine.dist import DistEnv
+    from admm_dist.engine.job import FirstFailure
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=20))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_a_bug_then_a_peer_that_leaves, args=(r, store.port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = out.get(timeout=90)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    (bug_is_comm, bug_type, bug), (is_comm, _, msg) = got
+    assert (bug_is_comm, bug_type, bug) == (False, "RuntimeError", "boom")
+    assert is_comm and msg.startswith("rank 0: a collective between ranks failed ("), msg
+    assert "\n" not in msg and "GLHF" not in msg and "pair.cc" not in msg, msg
+    # claimed as the job's first failure before the group went: the agent's store holds it
+    env = DistEnv(rank=1, world_size=2, master_addr="127.0.0.1", master_port=store.port, agent_store=True)
+    assert FirstFailure(env).recorded() == (0, msg)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import collections
 import itertools
+import re
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -39,10 +40,17 @@ class CommError(RunError):
     """A communication step failed (a peer died, timed out, or disagreed)."""
 
 
+_GLOO_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\] ")        # "[.../gloo/transport/tcp/pair.cc:553] "
+_GLOO_ADVICE = re.compile(r"\.? This is typically caused by .*$")   # "... Check the logs ... GLHF! 🏖️"
+
+
 def first_line(e: BaseException) -> str:
-    """A backend's error as one short line (gloo and NCCL raise long multi-line texts)."""
+    """A backend's error as one short line (gloo and NCCL raise long multi-line texts): its first
+    line, the cause kept ("Connection closed by peer [10.0.0.1]:6043"), gloo's source location and
+    closing advice dropped."""
     text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
+    line = _GLOO_ADVICE.sub("", _GLOO_SOURCE.sub("", text.splitlines()[0])) if text else ""
+    return line[:300] or type(e).__name__
 
 
 def wait_all(works: Sequence, timeout, what: str, rank: int) -> None:
@@ -177,15 +185,17 @@ class Communicator(abc.ABC):
                     if self.mine(hop.dst):
                         arrive(s, hop, p, a, b, hop.data[a:b])
                     else:
-                        sends.append(post(True, hop.data[a:b], hop.dst, s, hop, p))
+                        sends.append((post(True, hop.data[a:b], hop.dst, s, hop, p), hop.dst))
                 count(s, node, p)
 
         drain()
-        for s, p, hop, a, b, work in recvs:
-            self._wait([work], f"{what} step {s}" if last > 1 else what)
+        for s, p, hop, a, b, work in recvs:   # each wait names the rank it waits for
+            self._wait([work], f"{what} step {s} from rank {self._peer(hop.src)}" if last > 1
+                       else f"{what} from rank {self._peer(hop.src)}")
             arrive(s, hop, p, a, b, hop.into[a:b])
             drain()
-        self._wait(sends, what)
+        for work, dst in sends:
+            self._wait([work], f"{what} to rank {self._peer(dst)}")
 
     coded_bytes = 1 << 20   # the largest piece of a compressed message (and of the codec's scratch)
 
@@ -202,6 +212,10 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _wait(self, works: Sequence, what: str) -> None:
         """Wait for posted messages, each bounded in time."""
+
+    def _peer(self, node: int) -> int:
+        """The rank that holds ``node``, as messages name it."""
+        return self.owner[node]
 
     def byte_hop(self, src: int, dst: int, payload: Optional[torch.Tensor], size: int, like: torch.Tensor,
                  step: int = 0) -> Hop:

@@ -22,7 +22,7 @@ def gather_blocks(rows: torch.Tensor, blocks: Sequence[range], group, timeout, w
     padded = rows.new_zeros(max(len(b) for b in blocks), rows.shape[1])
     padded[:rows.shape[0]] = rows
     out = [torch.empty_like(padded) for _ in blocks]
-    wait_all([dist.all_gather(out, padded, group=group, async_op=True)], timeout, what, dist.get_rank(group))
+    wait_all([dist.all_gather(out, padded, group=group, async_op=True)], timeout, what, dist.get_rank())
     return torch.cat([out[r][:len(b)] for r, b in enumerate(blocks)], 0)
 
 
@@ -45,7 +45,7 @@ class ProcessGroupCommunicator(Communicator):
         self._held: List[dist.P2POp] = []   # NCCL: the messages of one step, posted together
 
     def _peer(self, node: int) -> int:
-        """The global rank that holds ``node``."""
+        """The global rank that holds ``node`` (also in messages)."""
         rank = self.owner[node]
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
@@ -53,19 +53,20 @@ class ProcessGroupCommunicator(Communicator):
         fn, peer = dist.isend if send else dist.irecv, self._peer(node)
         if self.nccl:   # held back: a step's messages go as one group call (_wait)
             return self._held.append(dist.P2POp(fn, tensor, peer, self.group, tag))
-        return self._posting(what, lambda: fn(tensor, peer, self.group, tag))
+        where = f"{what} {'to' if send else 'from'} rank {peer}"
+        return self._posting(where, lambda: fn(tensor, peer, self.group, tag))
 
     def _wait(self, works: Sequence, what: str) -> None:
         if self._held:
             held, self._held = self._held, []
             works = [*self._posting(what, lambda: dist.batch_isend_irecv(held)), *works]
-        wait_all([w for w in works if w is not None], self.timeout, what, self.rank)
+        wait_all([w for w in works if w is not None], self.timeout, what, dist.get_rank())   # the global rank
 
     def _posting(self, what: str, post):
         try:
             return post()
         except Exception as e:  # a peer that died is reported when the next message is posted
-            raise CommError(f"rank {self.rank}: posting the messages of {what} failed ({first_line(e)})") from e
+            raise CommError(f"rank {dist.get_rank()}: posting the messages of {what} failed ({first_line(e)})") from e
 
     def relay(self, steps, what: str, size: int) -> None:
         """Under gloo, each message is posted itself (a batch costs ~75 us more) and each piece
