@@ -145,8 +145,8 @@ def test_the_memory_table_of_the_stand_in_at_one_and_two_ranks_per_seat(tmp_path
     summary = tmp_path / "memory.json"
     rc = pl.main(["--no-rounds", "--memory", "standin", "--memory-ks", "1,2", "--out", str(tmp_path / "runs"),
                   "--json", str(summary), "--timeout", "240"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err      # the benchmark's error line and the failed rank's tail are on stderr
     rows = json.loads(summary.read_text())["memory"]
     assert [(r["k"], r["shard"]) for r in rows] == [(1, False), (2, False), (2, True)]
     one, two, sharded = rows
