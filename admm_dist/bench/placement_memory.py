@@ -26,6 +26,7 @@ Rank 0 writes every rank's figures (gathered as an int64 tensor) to ``--json``, 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import resource
 import shutil
@@ -77,6 +78,7 @@ def measure(model: str, config: str, shard: bool) -> Optional[Dict[str, List[int
     from admm_dist.training.config import TrainConfig
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    backbone = adapter = None
     try:
         cfg = config_file.load(TrainConfig, ["--config", config, f"model_name={model}"])
         _import_everything(model)
@@ -94,6 +96,10 @@ def measure(model: str, config: str, shard: bool) -> Optional[Dict[str, List[int
             return None
         return {f: [int(r[i]) for r in rows] for i, f in enumerate(FIELDS)}
     finally:
+        # a sharded model's parameters hold the group's mesh (and FSDP's hooks make cycles): free
+        # them while the group stands, not in the interpreter's finalization
+        backbone = adapter = None
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -185,4 +191,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Leave without the interpreter's finalization, as the training command does
+    # (admm_dist.cli.train._leave): a gloo worker thread that drops its last tensor while the
+    # interpreter finalizes ends in std::terminate (seen as SIGABRT in this probe under load).
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
