@@ -85,6 +85,28 @@ def test_process_group_is_torn_down_on_failure_and_success():
         assert s["initialized_end"] is False
 
 
+def _spawned(target, each_args, gets, timeout_s):
+    """``gets`` results from spawned processes, one per args tuple of ``each_args``, each
+    ``target(*args, out)``; every process is joined (killed when stuck) on the way out; the
+    processes' exit codes come with the results."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, out)) for args in each_args]
+    for p in procs:
+        p.start()
+    try:
+        got = [out.get(timeout=timeout_s) for _ in range(gets)]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    return got, [p.exitcode for p in procs]
+
+
 def _agent_store_rank(rank, port, restart_count, out):
     """One worker of a torchrun job whose agent keeps the store across rendezvous rounds."""
     import os
@@ -102,7 +124,6 @@ def test_ranks_of_a_new_round_agree_on_a_key_space_whatever_their_restart_counts
     """torchrun's shared store outlives a round; after a host left or came back, the agents'
     restart counts differ (pytorch#135712) and a dead round's keys are still there. The ranks
     must still meet in one fresh key space, and a stale join of the dead round must not count."""
-    import multiprocessing as mp
     import socket
 
     from admm_dist.engine.dist import agree_generation  # noqa: F401  (the protocol under test)
@@ -116,21 +137,9 @@ def test_ranks_of_a_new_round_agree_on_a_key_space_whatever_their_restart_counts
     store.set("admm_dist/agree/w2/join/1", "0" * 32)
     store.add("admm_dist/generation", 4)
     store.set("admm_dist/gen_4/rank_0/addr", "10.9.9.9:1")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_agent_store_rank, args=(r, port, rc, out)) for r, rc in ((0, 0), (1, 3))]
-    for p in procs:
-        p.start()
-    try:
-        got = sorted(out.get(timeout=60) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-    assert got == [(0, 3.0, 2), (1, 3.0, 2)]
-    assert [p.exitcode for p in procs] == [0, 0]
+    got, codes = _spawned(_agent_store_rank, [(0, port, 0), (1, port, 3)], 2, 60)
+    assert sorted(got) == [(0, 3.0, 2), (1, 3.0, 2)]
+    assert codes == [0, 0]
     assert int(store.add("admm_dist/generation", 0)) == 5   # one fresh generation, drawn once
     assert store.check(["admm_dist/agree/w2/ack/5/1"])
 
@@ -200,25 +209,12 @@ def _a_bug_then_a_peer_that_leaves(rank, port, out):
 
 def test_a_collective_whose_peer_left_leaves_distributed_as_one_line_and_a_bug_as_itself():
     import datetime
-    import multiprocessing as mp
 
     from admm_dist.engine.dist import DistEnv
     from admm_dist.engine.job import FirstFailure
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=20))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_a_bug_then_a_peer_that_leaves, args=(r, store.port, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        got = out.get(timeout=90)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+    (got,), _ = _spawned(_a_bug_then_a_peer_that_leaves, [(0, store.port), (1, store.port)], 1, 90)
     (bug_is_comm, bug_type, bug), (is_comm, _, msg) = got
     assert (bug_is_comm, bug_type, bug) == (False, "RuntimeError", "boom")
     assert is_comm and msg.startswith("rank 0: a collective between ranks failed ("), msg
