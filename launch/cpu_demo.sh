@@ -36,7 +36,7 @@ if sys.argv[2] == "configs/cpu/standin_onpolicy.yaml" and os.path.isfile(bench):
     r = s["modes"]["greedy"]["ADMM-ring"]
     lo, hi = r["gain_ci95"]
     print(f"the learning benchmark on this config ({len(s['seeds'])} seeds x {s['eval_n']} rows, "
-          f"python -m admm_dist.bench.fidelity): mean gain {100 * r['gain']:+.1f} points "
+          f"python -m benchmarks.fidelity): mean gain {100 * r['gain']:+.1f} points "
           f"[95% CI {100 * lo:+.1f}, {100 * hi:+.1f}], better than the base on {r['wins']}/{len(s['seeds'])} seeds")
 report = f"{sys.argv[1]}/standin_onpolicy-train.json"
 print(f"""What the numbers mean:

@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 LONGEST_FIRST = (
     "model/test_smollm2.py", "launch/test_multinode.py", "launch/test_slurm.py",
     "engine/test_preemption.py", "training/test_trainer_placement.py", "training/test_trainer_onpolicy.py",
-    "training/test_trainer.py", "bench/test_kill_resume.py", "launch/test_elastic.py",
-    "bench/test_bench_fidelity.py", "launch/test_cpu_default_tracked.py", "bench/test_gpu_check.py",
+    "training/test_trainer.py", "benchmarks/test_kill_resume.py", "launch/test_elastic.py",
+    "benchmarks/test_bench_fidelity.py", "launch/test_cpu_default_tracked.py", "bench/test_gpu_check.py",
     "mas/test_collection.py", "cli/test_interrupt.py",
 )
 
@@ -55,7 +55,7 @@ def train_local(cfg):
 
 def cli_rank(argv):
     """One rank of ``torchrun -m admm_dist.train ARGV`` (to run under
-    :func:`admm_dist.engine.launcher.launch_cpu` with ``setup=False``, which is torchrun's agent
+    :func:`admm_dist.bench.launcher.launch_cpu` with ``setup=False``, which is torchrun's agent
     without an interpreter start-up per rank): exits with the command's exit code, else returns
     the elastic attempt it finished in."""
     import sys
@@ -77,8 +77,8 @@ def build_tiny(folder, n_agents: int) -> dict:
     per seat, in ``folder``: {"backbone", "fit", "n", "settings"}."""
     from transformers import AutoTokenizer
 
-    from admm_dist.testing.synthetic import write_fitset
-    from admm_dist.testing.tiny import save_tiny_backbone
+    from admm_dist.demo.synthetic import write_fitset
+    from admm_dist.demo.tiny import save_tiny_backbone
 
     bb = save_tiny_backbone(str(Path(folder) / "backbone"), seed=1, hidden=32, layers=2, heads=2)
     settings = {"task": "synthetic", "n_agents": n_agents, "adapt_roles": "all"}

@@ -14,7 +14,7 @@ import sys
 from typing import Dict, List, Set, Tuple
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "admm_dist")
-LAYERS = ("core", "engine", "model", "tasks", "data", "mas", "training", "testing", "plots", "cli", "bench")
+LAYERS = ("core", "engine", "model", "tasks", "data", "mas", "training", "demo", "plots", "cli", "bench")
 TOP_LEVEL = {"__init__", "train", "evaluate", "plot"}      # the face and the entry-point shims
 MAX_LINES = 450
 COMM_MAX_LINES = 950   # admm_dist/engine/comm/ in all: each algorithm once, two transports

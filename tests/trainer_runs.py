@@ -4,8 +4,8 @@ with N = 3 seats and a synthetic DPO fit set (``assets``, one per test module), 
 torchrun's elastic agent (``_launch_cli``)."""
 import pytest
 
-from admm_dist.engine.launcher import launch_cpu
-from admm_dist.testing import faults
+from admm_dist.bench.launcher import launch_cpu
+import faults
 from admm_dist.training.config import TrainConfig
 from admm_dist.training.trainer import Trainer
 
@@ -42,7 +42,7 @@ def _args(assets, out, **kw):
 
 def _launch_cli(args, nproc, monkeypatch, restarts=0, fault=None):
     """The training command on ``nproc`` ranks under torchrun's elastic agent (in-process, from a
-    fork server: no interpreter start-up per rank); ``fault`` plans one (admm_dist.testing.faults)."""
+    fork server: no interpreter start-up per rank); ``fault`` plans one (tests.faults)."""
     monkeypatch.delenv(faults.ENV, raising=False)
     if fault:
         monkeypatch.setenv(faults.ENV, fault)

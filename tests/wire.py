@@ -114,7 +114,7 @@ if __name__ == "__main__":   # launch_in_netns's child: python wire.py JOB OUT
         spec = json.load(job)
     sys.path[:] = spec["path"]
     target = getattr(importlib.import_module(spec["module"]), spec["name"])
-    from admm_dist.engine.launcher import launch_cpu
+    from admm_dist.bench.launcher import launch_cpu
 
     result = launch_cpu(target, spec["nprocs"], *spec["args"], timeout_s=spec["timeout_s"])
     with open(sys.argv[2], "w") as f:

@@ -6,7 +6,7 @@ Run::
                                    [--reps 9] [--wire-trials 5] [--methods ...] [--quick]
 
 For every world size N (one launch of N gloo CPU ranks through
-:func:`admm_dist.engine.launcher.launch_cpu`, one torch thread per rank, gloo bound to
+:func:`admm_dist.bench.launcher.launch_cpu`, one torch thread per rank, gloo bound to
 loopback) and every fp32 vector of ``mib`` MiB (P = mib * 2^18 elements), the
 methods below run side by side in the same processes on the same vectors:
 
@@ -199,7 +199,7 @@ def run(sizes: Sequence[float], nprocs: Sequence[int], reps: int, *, warmup: int
         wire_trials: int = 5, methods: Sequence[str] = METHODS,
         log=print) -> Dict[str, object]:
     """Run the benchmark; returns {"records": [...], "load": {...}}."""
-    from admm_dist.engine.launcher import launch_cpu
+    from admm_dist.bench.launcher import launch_cpu
 
     if reps < 1:
         raise ValueError(f"reps={reps}: need at least one timed repetition")

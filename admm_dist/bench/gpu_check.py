@@ -20,7 +20,7 @@ repository root; a step that fails or runs out of time is recorded and the next 
    ADMM rounds over the ring, the outputs and the training report.
 4. ``train_vllm``: the same with ``generation_backend vllm`` when vLLM is importable, else
    recorded as ``skipped: vllm not installed``.
-5. ``collect``: ``python -m admm_dist.bench.collect`` on that backbone, tokens per second of
+5. ``collect``: ``python -m benchmarks.collect`` on that backbone, tokens per second of
    ``hf`` and (when importable) ``vllm``.
 
 Every limit is also cut to what is left of ``--budget`` (default 440 s, so the whole check,
@@ -225,7 +225,7 @@ def check(out: str, plan: Plan, budget_s: float, log=print) -> Dict[str, Any]:
             runner.skip("collect", "no backbone (the backbone step did not finish)")
         else:
             backends = "hf" if vllm is None else "hf,vllm"
-            runner.run("collect", [py, "-m", "admm_dist.bench.collect", "--shape", plan.shape, "--backbone", backbone,
+            runner.run("collect", [py, "-m", "benchmarks.collect", "--shape", plan.shape, "--backbone", backbone,
                                    "--device", plan.device, "--backends", backends, *plan.collect_args,
                                    "--json", os.path.join(out, "collect.json")], plan.limits["collect"])
     finally:

@@ -12,12 +12,12 @@ qwen3-8b         4096      36     32         8       128         12288  151936  
 ``tiny`` is the x-step benchmark's CPU model (its figures in docs/benchmarks.md were measured
 on it) and ``micro`` its ``--quick`` model, which the CPU smoke run of ``launch/gpu_check.sh``
 uses throughout (seconds on 2 cores); the two others are Qwen3-0.6B's and Qwen3-8B's ``config.json`` shapes (rope theta
-1e6 and 40960 positions as there). A model of a shape is a :func:`admm_dist.testing.tiny.random_qwen3`, built
+1e6 and 40960 positions as there). A model of a shape is a :func:`admm_dist.demo.tiny.random_qwen3`, built
 directly on its device in its dtype (bf16 on a GPU: an 8B model never passes through the
-CPU), with :func:`admm_dist.testing.tiny.padded_char_tokenizer` as the tokenizer where text
+CPU), with :func:`admm_dist.demo.tiny.padded_char_tokenizer` as the tokenizer where text
 must round-trip (collection, training).
 
-Save a backbone folder (what ``admm_dist.train`` and ``admm_dist.bench.collect`` load)::
+Save a backbone folder (what ``admm_dist.train`` and ``benchmarks.collect`` load)::
 
     python -m admm_dist.bench.shapes --save DIR --shape qwen3-0.6b [--device auto]
 
@@ -52,7 +52,7 @@ class Shape:
     max_positions: int = 2048
 
     def dims(self) -> Dict[str, Any]:
-        """The shape keywords of :func:`admm_dist.testing.tiny.random_qwen3` (vocab aside)."""
+        """The shape keywords of :func:`admm_dist.demo.tiny.random_qwen3` (vocab aside)."""
         return dict(hidden=self.hidden, layers=self.layers, heads=self.heads, kv_heads=self.kv_heads,
                     head_dim=self.head_dim, intermediate=self.intermediate, tie=self.tie,
                     rope_theta=self.rope_theta, max_positions=self.max_positions)
@@ -110,7 +110,7 @@ def dtype_for(device):
 def build(shape: Shape, device="cpu", *, vocab: Optional[int] = None, seed: int = 0):
     """A random-weight ``Qwen3ForCausalLM`` of ``shape`` on ``device`` (bf16 on CUDA, fp32 on
     CPU); ``vocab`` overrides the shape's vocabulary size."""
-    from admm_dist.testing.tiny import random_qwen3
+    from admm_dist.demo.tiny import random_qwen3
 
     return random_qwen3(vocab or shape.vocab, seed=seed, device=device, dtype=dtype_for(device),
                         **shape.dims())
@@ -120,7 +120,7 @@ def save(shape: Shape, folder: str, device="cpu", *, seed: int = 0) -> Dict[str,
     """Write a random backbone of ``shape`` and its padded char tokenizer to ``folder``."""
     import torch
 
-    from admm_dist.testing.tiny import save_random_backbone
+    from admm_dist.demo.tiny import save_random_backbone
 
     t0 = time.perf_counter()
     save_random_backbone(folder, shape.vocab, seed=seed, device=device, dtype=dtype_for(device),

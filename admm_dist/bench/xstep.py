@@ -9,7 +9,7 @@ Run::
 Set-up, the same for every row. A randomly initialised ``Qwen3ForCausalLM`` of ``--shape``
 (:mod:`admm_dist.bench.shapes`; the default ``tiny``: hidden 256, 4 layers, 4 heads,
 intermediate 1024, vocab 4096, tied embeddings; seed 0; built by
-:func:`admm_dist.testing.tiny.random_qwen3` directly on the device, fp32 on the CPU and bf16
+:func:`admm_dist.demo.tiny.random_qwen3` directly on the device, fp32 on the CPU and bf16
 on CUDA, nothing downloaded) and a WordLevel tokenizer over the shape's vocabulary (3
 specials and synthetic words ``w0 w1 ...``, whitespace pre-tokenizer) in a
 ``PreTrainedTokenizerFast``. The data are ``batch * (warmup + steps)`` random DPO pairs: a
@@ -68,7 +68,7 @@ one-line message and their fields are null.
 
 ``overhead_share`` (CPU only; ``--no-overhead`` skips it, and it is skipped on CUDA): the share
 of an ADMM round's wall time spent outside the x-steps, with 3 gloo CPU ranks
-(:func:`admm_dist.engine.launcher.launch_cpu`, one torch thread each, consensus ``ring``),
+(:func:`admm_dist.bench.launcher.launch_cpu`, one torch thread each, consensus ``ring``),
 each rank a real Trainer built as above (its own pairs, ``local_steps`` 16) and running
 ``trainer.engine.step(trainer.xstep)``. Per round, from the engine's
 :class:`~admm_dist.engine.admm.RoundRecord` (gathered from every rank): wall = max over ranks of

@@ -104,7 +104,7 @@ def build_tokenizer(vocab: int):
 def build_model(sz: Sizes, tok, device="cpu"):
     """A random-weight Qwen3 of ``sz``'s dims on ``device`` (bf16 on CUDA, fp32 on CPU), seed 0."""
     from admm_dist.bench.shapes import dtype_for
-    from admm_dist.testing.tiny import random_qwen3
+    from admm_dist.demo.tiny import random_qwen3
 
     model = random_qwen3(sz.vocab, hidden=sz.hidden, layers=sz.layers, heads=sz.heads,
                          kv_heads=sz.kv_heads, head_dim=sz.head_dim, intermediate=sz.intermediate,
@@ -347,7 +347,7 @@ def _overhead_rank(ctx, sz: Sizes, seed: int) -> Dict[str, Any]:
 
 
 def bench_overhead(sz: Sizes, seed: int) -> Dict[str, Any]:
-    from admm_dist.engine.launcher import launch_cpu
+    from admm_dist.bench.launcher import launch_cpu
 
     if sz.rounds < 2:
         raise ValueError("the overhead part needs at least 2 rounds (one warm-up)")

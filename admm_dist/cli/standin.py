@@ -1,5 +1,5 @@
 """``python -m admm_dist.cli.standin train|check``: train the stand-in backbone from scratch, or
-measure it through the full chain (:mod:`admm_dist.testing.standin`)."""
+measure it through the full chain (:mod:`admm_dist.demo.standin`)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from admm_dist.cli.common import OneLineParser
 from admm_dist.core.io import atomic_write_json
-from admm_dist.testing import standin
+from admm_dist.demo import standin
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,5 +1,5 @@
 """``python -m admm_dist.cli.synthetic --out DIR``: a tiny random Qwen3 backbone and synthetic
-fit sets in DIR (:mod:`admm_dist.testing.synthetic`, :mod:`admm_dist.testing.tiny`)."""
+fit sets in DIR (:mod:`admm_dist.demo.synthetic`, :mod:`admm_dist.demo.tiny`)."""
 from __future__ import annotations
 
 import os
@@ -8,8 +8,8 @@ from typing import Optional, Sequence
 from transformers import AutoTokenizer
 
 from admm_dist.cli.common import OneLineParser
-from admm_dist.testing import synthetic
-from admm_dist.testing.tiny import save_tiny_backbone
+from admm_dist.demo import synthetic
+from admm_dist.demo.tiny import save_tiny_backbone
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

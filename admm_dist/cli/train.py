@@ -109,7 +109,7 @@ def _run(argv: List[str], flag: PreemptionFlag, stop: StopSignals, where: _Where
     from admm_dist.core.libraries import quiet_libraries
     from admm_dist.engine.dist import distributed, read_env
     from admm_dist.engine.preemption import Preempted, record_pid
-    from admm_dist.testing import faults
+    from tests import faults
     from admm_dist.training.config import TrainConfig
     from admm_dist.training.trainer import Trainer
 

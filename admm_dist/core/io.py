@@ -71,7 +71,7 @@ def atomic_write_bytes(path: str, data: bytes, *, before_rename: Optional[Callab
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        if before_rename is not None:   # tests only (admm_dist.testing.faults): a kill inside a write
+        if before_rename is not None:   # tests only (tests.faults): a kill inside a write
             before_rename()
         os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         tmp = None

@@ -18,7 +18,7 @@ of the file's memory map, so a rank touches only the pages of its own rows; they
 file-backed pages of the page cache (counted in the resident set while the file is open, and
 released when it is closed, after each tensor), and what a rank keeps is its copy of its rows.
 Host RAM for the weights is then about 1/k of the backbone per rank (measured by
-``python -m admm_dist.bench.placement``). As with the unsharded loader (the same library), a
+``python -m benchmarks.placement``). As with the unsharded loader (the same library), a
 weights file cut short by another process while it is being read ends the process (SIGBUS).
 
 Running: FSDP2 all-gathers a layer's weights just before the layer runs and frees them

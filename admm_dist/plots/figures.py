@@ -266,7 +266,7 @@ def arm_panel(ax: Axes, mode: str, arms: list[ArmBars]) -> None:
 
 
 def bench_overview(summary: dict, arm_names: Sequence[str], title: str) -> Figure:
-    """The learning benchmark's own figure (``python -m admm_dist.bench.fidelity --png``): per
+    """The learning benchmark's own figure (``python -m benchmarks.fidelity --png``): per
     mode the accuracy by arm, then every arm's mean f over seeds and worst-seed normalized
     primal residual per round, from the benchmark's summary dict."""
     modes = list(summary["modes"])
@@ -373,7 +373,7 @@ def draw_all(inputs: Sequence[str], out_dir: str) -> list[str]:
 # ---------------------------------------------------------------------------- benchmarks
 def links(records: Sequence[dict], *, rate: str, mib: float, nodes: Sequence[int], modes: Sequence[str],
           payloads: Sequence[str]) -> Figure:
-    """``python -m admm_dist.bench.links``: seconds per z-step against N, one line per mode and
+    """``python -m benchmarks.links``: seconds per z-step against N, one line per mode and
     payload (solid fp32, dashed int8, dotted fp8, dash-dot int4), at one link rate and vector size."""
     fig, (ax,) = new_figure(1, f"{mib:g} MiB vectors at {rate} per link")
     dashes = {"none": "-", "int8": "--", "fp8": ":", "int4": "-."}

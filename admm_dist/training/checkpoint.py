@@ -60,8 +60,8 @@ def _meta_digest(meta: Mapping[str, object]) -> str:
 def save_node(root: str, k: int, node: int, tensors: Mapping[str, torch.Tensor],
               meta: Mapping[str, object], *, hook: Optional[Callable[[str], None]] = None) -> None:
     """Write node ``node``'s checkpoint of round ``k``: tensors first, then the JSON marker that
-    carries both files' sha256. ``hook`` (tests only, :mod:`admm_dist.testing.faults`) is called
-    at each write point (:data:`admm_dist.testing.faults.POINTS`): "tensors" (nothing written yet),
+    carries both files' sha256. ``hook`` (tests only, :mod:`tests.faults`) is called
+    at each write point (:data:`tests.faults.POINTS`): "tensors" (nothing written yet),
     "tensors-renaming" (the tensors' temporary written, not renamed), "tensors-written",
     "json-renaming" (the marker's temporary written, not renamed), "json-written"."""
     folder = own_folder(round_dir(own_folder(root, "the checkpoint folder"), k), "the checkpoint folder")

@@ -30,7 +30,7 @@ BEST_Z = "best_z"
 if TYPE_CHECKING:
     from admm_dist.engine.admm import ADMMEngine
     from admm_dist.engine.control import Control
-    from admm_dist.testing.faults import FaultPlan
+    from tests.faults import FaultPlan
 
 
 @dataclasses.dataclass

@@ -61,7 +61,7 @@ from admm_dist.training.state import BestRound, NodeState, RunRecord
 from admm_dist.training.tracking import Tracker, final_scalars, round_scalars
 
 if TYPE_CHECKING:
-    from admm_dist.testing.faults import FaultPlan
+    from tests.faults import FaultPlan
 
 
 def build_communicator(cfg: TrainConfig, ctx: DistContext, placement: Placement) -> Tuple[Communicator, SeatGroup]:
@@ -116,7 +116,7 @@ class Trainer:
                  preempt: Optional[PreemptionFlag] = None, faults: Optional["FaultPlan"] = None):
         self.cfg = cfg
         self.preempt = preempt   # None: train() notes SIGUSR2 itself while it runs
-        self.faults = faults     # test-only fault injection (admm_dist.testing.faults)
+        self.faults = faults     # test-only fault injection (tests.faults)
         self.ctx = ctx
         self.rank = ctx.rank
         self.show = not cfg.quiet and ctx.rank == 0    # progress bars and log lines

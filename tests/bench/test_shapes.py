@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from admm_dist.bench import shapes
-from admm_dist.testing.tiny import random_qwen3
+from admm_dist.demo.tiny import random_qwen3
 
 
 def test_the_table_has_qwen3_shapes():

@@ -6,7 +6,7 @@
 - Under torchrun a typo in a key, which every rank finds alike, is said once; the workers the
   agent then stops say nothing, and no line advises a rerun.
 
-The ranks run under :func:`admm_dist.engine.launcher.launch_cpu` (torch's elastic agent, as
+The ranks run under :func:`admm_dist.bench.launcher.launch_cpu` (torch's elastic agent, as
 torchrun runs it) but the typo, which runs under a real ``torchrun``. Every wait is bounded.
 """
 import json
@@ -19,7 +19,7 @@ import time
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from admm_dist.engine.launcher import launch_cpu
+from admm_dist.bench.launcher import launch_cpu
 from conftest import REPO, cli_rank, tiny_args, train_cmd
 
 PROG = "admm_dist.train:"

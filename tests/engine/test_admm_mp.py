@@ -4,7 +4,7 @@ import torch
 
 from admm_dist.engine.admm import ADMMConfig, ADMMEngine
 from admm_dist.engine.comm import LocalCommunicator, make_communicator, ring_bytes_per_rank
-from admm_dist.engine.launcher import launch_cpu
+from admm_dist.bench.launcher import launch_cpu
 from admm_dist.engine.lsq import LeastSquares
 
 ROUNDS = 60

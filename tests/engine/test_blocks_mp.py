@@ -9,7 +9,7 @@ from admm_dist.engine.comm import TOPOLOGIES, LocalCommunicator
 from admm_dist.engine.comm import IN_PROCESS, ProcessGroupCommunicator
 from admm_dist.engine.comm.meter import CONSENSUS
 from admm_dist.engine.placement import blocks, owners
-from admm_dist.engine.launcher import launch_cpu
+from admm_dist.bench.launcher import launch_cpu
 
 N, P = 4, 1001          # P divisible by none of 2, 3, 4
 SPECS = [("coordinator", "ring", 1), ("ring", "ring", 1)] + [("gossip", t, 2) for t in TOPOLOGIES]

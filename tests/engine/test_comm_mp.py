@@ -8,7 +8,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from admm_dist.engine.comm import TOPOLOGIES, CommError, LocalCommunicator, make_communicator, ring_bytes_per_rank
 from admm_dist.bench.comm_wire import interface_tx_bytes
-from admm_dist.engine.launcher import launch_cpu
+from admm_dist.bench.launcher import launch_cpu
 
 from wire import launch_in_netns, wire_bytes
 

@@ -9,7 +9,7 @@ from admm_dist.engine.admm import ADMMConfig, ADMMEngine
 from admm_dist.engine.comm import LocalCommunicator, make_communicator
 from admm_dist.engine.comm import ProcessGroupCommunicator
 from admm_dist.bench.comm_wire import interface_tx_bytes
-from admm_dist.engine.launcher import launch_cpu
+from admm_dist.bench.launcher import launch_cpu
 from admm_dist.engine.lsq import LeastSquares
 
 from wire import launch_in_netns, wire_bytes

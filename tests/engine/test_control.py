@@ -10,7 +10,7 @@ import torch.distributed as dist
 from admm_dist.engine.comm import make_communicator
 from admm_dist.engine.comm.communicator import CommError
 from admm_dist.engine.control import Control, GroupControl, control_for
-from admm_dist.engine.launcher import launch_cpu
+from admm_dist.bench.launcher import launch_cpu
 
 N = 5   # nodes, on 3 ranks: blocks [0, 1], [2, 3], [4]
 

@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 from admm_dist.engine.dist import DistConfigError, backend_for, distributed, read_env, resolve_device
-from admm_dist.engine.launcher import launch_cpu
+from admm_dist.bench.launcher import launch_cpu
 
 
 def test_without_torchrun_the_world_has_size_one():

@@ -12,9 +12,9 @@ import time
 
 import torch.distributed as dist
 
-from admm_dist.engine import launcher
+from admm_dist.bench import launcher
 from admm_dist.engine.dist import DistEnv, distributed
-from admm_dist.engine.launcher import launch_cpu
+from admm_dist.bench.launcher import launch_cpu
 
 
 def _seen(ctx):

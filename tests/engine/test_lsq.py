@@ -44,7 +44,7 @@ def _lsq_rank(argv):
 def test_nodes_must_match_the_world_size(monkeypatch, capfd):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from admm_dist.engine.launcher import launch_cpu
+    from admm_dist.bench.launcher import launch_cpu
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with pytest.raises(ChildFailedError):

@@ -7,13 +7,13 @@ import torch.distributed as dist
 from admm_dist.core.errors import UserError
 from admm_dist.data.fitset import Example
 from admm_dist.data.sampler import RoleBalancedSampler
-from admm_dist.engine.launcher import launch_cpu
+from admm_dist.bench.launcher import launch_cpu
 from admm_dist.engine.placement import Placement
 from admm_dist.engine.seat_group import SeatGroup, check_micro_batches, parts
 from admm_dist.model import batches as bt
 from admm_dist.model import objectives as obj
 from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
-from admm_dist.testing.tiny import char_tokenizer, tiny_qwen3
+from admm_dist.demo.tiny import char_tokenizer, tiny_qwen3
 from admm_dist.training.config import TrainConfig
 from admm_dist.training.local_steps import LocalSteps
 from admm_dist.training.state import NodeState

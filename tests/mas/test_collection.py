@@ -8,11 +8,11 @@ import pytest
 from admm_dist import tasks
 from admm_dist.data import fitset as fs
 from admm_dist.data.derive import derive
-from admm_dist.engine.launcher import launch_cpu
+from admm_dist.bench.launcher import launch_cpu
 from admm_dist.mas import ChainConfig, ChainRunner
 from admm_dist.mas.collection import PRESCREEN_SALT, Collector, gather_json
 from admm_dist.tasks.chain_arith import load_chain_arith
-from admm_dist.testing import standin
+from admm_dist.demo import standin
 
 SEATS = [0, 1, 2, 3]
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from admm_dist.mas.collection import collect_key
-from admm_dist.testing import standin
+from admm_dist.demo import standin
 from admm_dist.training.config import TrainConfig
 
 NO_VLLM = importlib.util.find_spec("vllm") is None

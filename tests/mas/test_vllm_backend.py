@@ -63,7 +63,7 @@ def stack(tmp_path_factory):
     from admm_dist.mas import ChainRunner
     from admm_dist.mas.vllm_backend import VLLMBackend
     from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
-    from admm_dist.testing.standin import chain_config, load
+    from admm_dist.demo.standin import chain_config, load
 
     model, tok = load(STANDIN)
     ad = BOnlyLoRA(model, AdapterConfig(**ADAPTER))
@@ -323,7 +323,7 @@ RANK_SCRIPT = textwrap.dedent('''
         rank = dist.get_rank()
         from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
         from admm_dist.mas.vllm_backend import VLLMBackend
-        from admm_dist.testing.standin import load
+        from admm_dist.demo.standin import load
         model, tok = load(standin)
         ad = BOnlyLoRA(model, AdapterConfig(**adapter_kw))
         vec = torch.randn(ad.numel, generator=torch.Generator().manual_seed(1)) * scale

@@ -8,7 +8,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from admm_dist.model.adapter import LORA_TARGETS, AdapterConfig, AdapterError, BOnlyLoRA
 from admm_dist.model.vectors import check_same_basis, hash_to_int64_row, int64_row_to_hash, load_vector, save_vector
-from admm_dist.testing.tiny import char_tokenizer, tiny_qwen3
+from admm_dist.demo.tiny import char_tokenizer, tiny_qwen3
 
 HIDDEN, INTER, LAYERS = 64, 256, 2  # tiny_qwen3 defaults: 4 heads of 16, intermediate 4*hidden
 
@@ -421,7 +421,7 @@ def test_export_peft_gives_the_modes_of_a_plain_mkdir_and_open(vocab, tmp_path, 
 def test_fast_b_only_forward_matches_peft_generic_forward(vocab, dtype):
     """The fused B-only layer computes what PEFT's LoRA layer computes, values and B grads."""
     from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
-    from admm_dist.testing.tiny import tiny_qwen3
+    from admm_dist.demo.tiny import tiny_qwen3
 
     ids = batch(vocab, 3)
     outs = []

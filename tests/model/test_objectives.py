@@ -11,7 +11,7 @@ from admm_dist.core.text import visible
 from admm_dist.data import sampler as S
 from admm_dist.model import batches as B
 from admm_dist.model import objectives as O
-from admm_dist.testing.tiny import char_tokenizer, tiny_qwen3
+from admm_dist.demo.tiny import char_tokenizer, tiny_qwen3
 
 try:
     from admm_dist.data.fitset import Example

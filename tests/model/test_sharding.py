@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from admm_dist.core.errors import UserError
 from admm_dist.data.fitset import Example
-from admm_dist.engine.launcher import launch_cpu
+from admm_dist.bench.launcher import launch_cpu
 from admm_dist.engine.seat_group import SeatGroup
 from admm_dist.model import batches as bt
 from admm_dist.model import objectives as obj
@@ -29,7 +29,7 @@ from admm_dist.model import sharding
 from admm_dist.model.adapter import AdapterConfig, BOnlyLoRA
 from admm_dist.model.loading import load_model
 from admm_dist.model.sharding import WeightFiles, held_bytes, whole
-from admm_dist.testing.tiny import save_tiny_backbone
+from admm_dist.demo.tiny import save_tiny_backbone
 
 CPU = torch.device("cpu")
 NORM, UP, GATE = "model.norm.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_proj.weight"

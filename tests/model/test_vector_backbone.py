@@ -8,7 +8,7 @@ import torch
 from admm_dist.model.adapter import AdapterConfig, AdapterError, BOnlyLoRA
 from admm_dist.model import vectors
 from admm_dist.model.vectors import load_vector, save_vector
-from admm_dist.testing.tiny import char_tokenizer, tiny_qwen3
+from admm_dist.demo.tiny import char_tokenizer, tiny_qwen3
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 CFG = AdapterConfig(lora_rank=4, lora_layers_last=2, lora_targets="attn_qv")

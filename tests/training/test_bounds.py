@@ -90,7 +90,7 @@ def test_the_ceilings_are_in_the_help():
 @pytest.fixture(scope="module")
 def backbone():
     """A tiny Qwen3 whose smallest projection is the MLP's (hidden 64, intermediate 48)."""
-    from admm_dist.testing.tiny import tiny_qwen3
+    from admm_dist.demo.tiny import tiny_qwen3
     return lambda layers=2: tiny_qwen3(102, hidden=64, layers=layers, heads=4, intermediate=48)
 
 

@@ -375,7 +375,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(assets, tmp_path, capsy
 
 def test_eta_and_grad_clip_may_change_on_resume_as_the_non_finite_error_advises(assets, tmp_path, capsys,
                                                                                   monkeypatch):
-    from admm_dist.testing import faults
+    import faults
     monkeypatch.setenv(faults.ENV, "nan@3:0")
     rc, err = _run(capsys, assets, tmp_path, k_outer=4)
     assert rc == 1 and len(err) == 1 and "round 3: non-finite" in err[0], err

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from admm_dist.engine.launcher import launch_cpu
-from admm_dist.testing import faults
+from admm_dist.bench.launcher import launch_cpu
+import faults
 
 from conftest import cli_rank, tiny_args
 

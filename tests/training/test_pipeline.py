@@ -1,7 +1,7 @@
 """A fit set into this rank's shards (:func:`admm_dist.training.pipeline.shard`): the held-out
 split is taken from a run's first fit set only."""
 from admm_dist.data.fitset import FitSet
-from admm_dist.testing.synthetic import make_examples
+from admm_dist.demo.synthetic import make_examples
 from admm_dist.training import pipeline
 from admm_dist.training.config import TrainConfig
 from admm_dist.training.report import TrainReport

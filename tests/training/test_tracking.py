@@ -10,9 +10,9 @@ import struct
 import pytest
 
 from admm_dist.core.errors import UserError
-from admm_dist.engine.launcher import launch_cpu
-from admm_dist.testing.synthetic import write_fitset
-from admm_dist.testing.tiny import save_tiny_backbone
+from admm_dist.bench.launcher import launch_cpu
+from admm_dist.demo.synthetic import write_fitset
+from admm_dist.demo.tiny import save_tiny_backbone
 from admm_dist.training.config import TrainConfig
 from admm_dist.training.tracking import TrackingConfig, collection_scalars, event_files, open_tracker
 from admm_dist.training.trainer import Trainer

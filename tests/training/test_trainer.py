@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from admm_dist.core.errors import UserError
-from admm_dist.engine.launcher import launch_cpu
-from admm_dist.testing.synthetic import write_fitset
-from admm_dist.testing.tiny import save_tiny_backbone
+from admm_dist.bench.launcher import launch_cpu
+from admm_dist.demo.synthetic import write_fitset
+from admm_dist.demo.tiny import save_tiny_backbone
 from admm_dist.training.trainer import Trainer
 
 from conftest import train_local
@@ -186,7 +186,7 @@ def test_an_adapter_that_did_not_move_is_not_written(assets, tmp_path, capsys):
 
 def test_a_refused_result_is_its_own_error_the_benchmark_can_tell_apart(assets, tmp_path):
     """The learning benchmark counts a refused arm as a result; any other bad setting stops it."""
-    from admm_dist.bench.fidelity_run import train_arm
+    from benchmarks.fidelity_run import train_arm
     from admm_dist.training.outputs import RefusedError
 
     with pytest.raises(RefusedError, match="did not move"):

@@ -9,8 +9,9 @@ from safetensors.torch import load_file
 
 from admm_dist.core.errors import UserError
 from admm_dist.data.fitset import load_fitset, save_fitset
-from admm_dist.engine.launcher import launch_cpu
-from admm_dist.testing import faults, standin
+from admm_dist.bench.launcher import launch_cpu
+import faults
+from admm_dist.demo import standin
 from admm_dist.training.config import TrainConfig
 from admm_dist.training.trainer import Trainer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from admm_dist.engine.launcher import launch_cpu
+from admm_dist.bench.launcher import launch_cpu
 
 from conftest import train_local
 from trainer_runs import N, _args, _cfg, _launch_cli, _train_worker, assets  # noqa: F401 (fixture)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from admm_dist.core import config_file
-from admm_dist.engine.launcher import launch_cpu
+from admm_dist.bench.launcher import launch_cpu
 from admm_dist.training.config import TrainConfig
 
 from conftest import REPO, train_local

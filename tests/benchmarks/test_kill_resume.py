@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from admm_dist.bench import kill_resume as kr
-from admm_dist.testing.faults import POINTS
+from benchmarks import kill_resume as kr
+from faults import POINTS
 
 
 def test_the_trials_alternate_keep_and_draw_within_range_reproducibly():

@@ -2,9 +2,9 @@
 is to a fixed point: the measurement behind "the dual is worth little on the stand-in"
 (docs/benchmarks.md).
 
-Run, on a learning benchmark's workdir (``python -m admm_dist.bench.fidelity --workdir W``)::
+Run, on a learning benchmark's workdir (``python -m benchmarks.fidelity --workdir W``)::
 
-    python -m admm_dist.bench.curvature --workdir W --seeds 1,2,3,4,5 [--round 4] [--arm ADMM-ring]
+    python -m benchmarks.curvature --workdir W --seeds 1,2,3,4,5 [--round 4] [--arm ADMM-ring]
         [--probes 2] [--lsq_rounds 4,16,64,400] [--json results/curvature.json]
 
 Why these figures. At the penalty method's fixed point (ADMM-NoDual) every node solves
@@ -55,7 +55,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from admm_dist.bench.common import write_json
-from admm_dist.bench.fidelity_run import ARM_NAMES, REFERENCE, BenchError, arm_job, arm_out, first_fitset, parse_seeds
+from benchmarks.fidelity_run import ARM_NAMES, REFERENCE, BenchError, arm_job, arm_out, first_fitset, parse_seeds
 from admm_dist.core.errors import UserError
 
 Grad = Callable[[int, torch.Tensor], torch.Tensor]   # (node, x) -> grad f_i(x), full batch
@@ -63,7 +63,7 @@ EPS = 0.01          # the central difference's step along a unit direction (eps_
 LSQ_RHO = 0.1
 LSQ_ROUNDS = (4, 16, 64, 400)
 LSQ_XSTEP = {"local_steps": 8, "eta": 0.01}   # as docs/benchmarks.md's least-squares table
-PROG = "python -m admm_dist.bench.curvature"
+PROG = "python -m benchmarks.curvature"
 
 
 def _rms(vectors: Sequence[torch.Tensor]) -> float:
@@ -155,7 +155,7 @@ def job_files(workdir: str, seed: int, arm: str, round_: int) -> Tuple[str, str,
     paths = (f"{job}/config.yaml", first_fitset(workdir, seed), f"{job}-round{round_}.safetensors" if round_ else None)
     for path in filter(None, paths):
         if not os.path.exists(path):
-            raise BenchError(f"{path} does not exist: run python -m admm_dist.bench.fidelity --workdir {workdir} "
+            raise BenchError(f"{path} does not exist: run python -m benchmarks.fidelity --workdir {workdir} "
                              f"--seeds {seed} --arms {arm} first, and give --round one that ends a collection")
     return paths
 

@@ -9,8 +9,8 @@ import torch
 from conftest import REPO
 from safetensors.torch import save_file
 
-from admm_dist.bench import placement as pl
-from admm_dist.bench import placement_memory as pm
+from benchmarks import placement as pl
+from benchmarks import placement_memory as pm
 
 
 def test_the_hash_is_of_the_tensors_bytes_in_key_order_not_of_the_file(tmp_path):

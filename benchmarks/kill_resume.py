@@ -2,7 +2,7 @@
 
 Run::
 
-    python -m admm_dist.bench.kill_resume [--runs 20] [--out DIR] [--seed 0] [--k-outer 5]
+    python -m benchmarks.kill_resume [--runs 20] [--out DIR] [--seed 0] [--k-outer 5]
                                           [--nproc 4] [--json PATH] [--timeout 600]
 
 What it measures: whether a run of 4 nodes under ``torchrun`` (CPU, gloo on loopback, one
@@ -12,14 +12,14 @@ arbitrary moment of a checkpoint write, and which is then continued with ``resum
 ends with exactly the results of a run that was never interrupted, and leaves nothing behind.
 
 1. Tiny offline assets in ``DIR/assets``: the random tiny Qwen3 of the tests
-   (:func:`admm_dist.testing.tiny.save_tiny_backbone`) and a synthetic DPO fit set of 16
-   examples per seat for a chain of 4 (:func:`admm_dist.testing.synthetic.write_fitset`), as
+   (:func:`admm_dist.demo.tiny.save_tiny_backbone`) and a synthetic DPO fit set of 16
+   examples per seat for a chain of 4 (:func:`admm_dist.demo.synthetic.write_fitset`), as
    the tests' ``tiny_assets(4)`` builds them.
 2. One uninterrupted reference run per ``keep_checkpoints`` value (1 and 3), ``k_outer``
    rounds (default 5), a checkpoint every round, in ``DIR/ref-keepK``.
 3. ``--runs`` trials (``DIR/run-NN``): trial i uses ``keep_checkpoints`` 1 for even i and 3
    for odd i, and draws (seeded by ``--seed``) a round in 1..k_outer, a node in 0..3 and a
-   point of the write (:data:`admm_dist.testing.faults.POINTS`: before the tensors, with the
+   point of the write (:data:`tests.faults.POINTS`: before the tensors, with the
    tensors' temporary written but not renamed, between the tensors and the JSON marker, with
    the marker's temporary not renamed, right after the marker). The run is started with
    ``ADMM_DIST_FAULT_AT=ckpt@ROUND:NODE:POINT`` and ``--max-restarts 0``: the rank holding
@@ -69,8 +69,8 @@ def build_assets(folder: str) -> Dict[str, str]:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from admm_dist.testing.synthetic import write_fitset
-    from admm_dist.testing.tiny import save_tiny_backbone
+    from admm_dist.demo.synthetic import write_fitset
+    from admm_dist.demo.tiny import save_tiny_backbone
 
     hf_logging.disable_progress_bar()
     shutil.rmtree(folder, ignore_errors=True)
@@ -100,7 +100,7 @@ def torchrun(args: Sequence[str], log_path: str, *, fault: Optional[str], timeou
     """``torchrun --standalone --nproc_per_node NPROC --max-restarts 0 -m admm_dist.train ARGS``, its
     output in ``log_path``; the exit status (124 when it ran past ``timeout_s``: torchrun gets
     SIGTERM, which it passes to its workers, then every process left gets SIGKILL by PID)."""
-    from admm_dist.testing import faults
+    from tests import faults
 
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     env.pop(faults.ENV, None)
@@ -224,7 +224,7 @@ def killed_ranks(log_path: str) -> List[int]:
 
 # --------------------------------------------------------------------------- the loop
 def plan(runs: int, seed: int, k_outer: int) -> List[Dict[str, object]]:
-    from admm_dist.testing.faults import POINTS
+    from tests.faults import POINTS
 
     rng = random.Random(seed)
     return [{"keep": KEEPS[i % len(KEEPS)], "round": rng.randint(1, k_outer), "node": rng.randrange(N_AGENTS),
@@ -317,7 +317,7 @@ def run(out: str, runs: int, *, seed: int = 0, k_outer: int = DEFAULT_K_OUTER,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m admm_dist.bench.kill_resume", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kill_resume", description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=20, help="trials, keep_checkpoints 1 and 3 alternately (default 20)")
     ap.add_argument("--out", metavar="DIR", default="runs/kill_resume",
                     help="scratch folder: assets, references, one folder per trial (default runs/kill_resume)")

@@ -3,7 +3,7 @@ the memory a seat group's ranks hold at k = 1, 2, 4 ranks per seat, with and wit
 
 Run::
 
-    python -m admm_dist.bench.placement [--worlds 1,4,8] [--config FILE.yaml] [--out DIR]
+    python -m benchmarks.placement [--worlds 1,4,8] [--config FILE.yaml] [--out DIR]
                                         [--json PATH] [--timeout 1800] [--no-rounds]
                                         [--memory standin,smollm2] [--memory-ks 1,2,4] [key=value ...]
 
@@ -64,7 +64,7 @@ The memory table (``--memory``, after the runs; ``--no-rounds`` for it alone): f
 (``standin``: assets/standin; ``smollm2``: assets/smollm2 once built, skipped with the command
 that builds it otherwise; or a model folder) and each k of ``--memory-ks``, one seat group of k
 ranks under torchrun loads the backbone through the trainer's loader, whole and, for k > 1,
-sharded (:mod:`admm_dist.bench.placement_memory`). Per rank, the largest over the group: the
+sharded (:mod:`benchmarks.placement_memory`). Per rank, the largest over the group: the
 backbone's and the adapter's parameter bytes held, the resident set before the model and once
 the adapter is built, and the peak. The last lines say whether the backbone bytes per rank at
 the largest k, sharded, are at most 0.30 of k = 1's.
@@ -89,7 +89,7 @@ import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 from admm_dist.bench.common import Column, CpuWindow, descendants, format_rows, load_str, loadavg, num, write_json
-from admm_dist.bench.placement_memory import DEFAULT_MEMORY, DEFAULT_MEMORY_KS, format_memory, run_memory
+from benchmarks.placement_memory import DEFAULT_MEMORY, DEFAULT_MEMORY_KS, format_memory, run_memory
 from admm_dist.core.errors import UserError
 
 DEFAULT_CONFIG = "configs/cpu/standin_onpolicy.yaml"
@@ -354,7 +354,7 @@ def _names(text: str) -> List[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m admm_dist.bench.placement", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.placement", description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=_worlds, default=list(DEFAULT_WORLDS),
                     help="world sizes W, comma-separated, run in this order (default 1,2,4)")
     ap.add_argument("--config", default=DEFAULT_CONFIG, help=f"training config (default {DEFAULT_CONFIG})")

@@ -1,4 +1,4 @@
-"""The statistics and the summary of the learning benchmark (``python -m admm_dist.bench.fidelity``).
+"""The statistics and the summary of the learning benchmark (``python -m benchmarks.fidelity``).
 
 It owns how the per-seed results become figures: :func:`crossed_bootstrap` (the 95% interval
 resampling seeds and rows), :func:`t_interval` (over seeds only), :func:`summarize` (the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Sequence
 
-from admm_dist.bench.fidelity_run import BASE, REFERENCE, BenchError
+from benchmarks.fidelity_run import BASE, REFERENCE, BenchError
 
 SINGLE = "base 1 seat"   # the untrained model alone (one seat, no chain), greedy on the chain's rows
 

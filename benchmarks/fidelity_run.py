@@ -1,4 +1,4 @@
-"""The per-seed run of the learning benchmark (``python -m admm_dist.bench.fidelity``).
+"""The per-seed run of the learning benchmark (``python -m benchmarks.fidelity``).
 
 It owns the arms (:data:`ARMS`: name, config overrides, how each deploys), the benchmark's
 error (:class:`BenchError`), each arm's config (:func:`base_config`) and what a job's result

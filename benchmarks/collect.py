@@ -2,7 +2,7 @@
 
 Run (vLLM needs its own environment on CPU, docs/vllm.md)::
 
-    .venv-vllm/bin/python -m admm_dist.bench.collect [--models standin,smollm2] [--backends hf,hf-bf16,vllm]
+    .venv-vllm/bin/python -m benchmarks.collect [--models standin,smollm2] [--backends hf,hf-bf16,vllm]
         [--queries 32] [--samples 4] [--repeats 2] [--threads 2] [--json PATH] [--quick]
         [--shape tiny|qwen3-0.6b|qwen3-8b [--backbone DIR] [--max-new-tokens 32]] [--device auto]
 
@@ -209,7 +209,7 @@ def format_table(r: Dict[str, object]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m admm_dist.bench.collect", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.collect", description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="standin,smollm2", help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument("--backends", default="hf,vllm", help=f"comma list of {', '.join(BACKENDS)}")
     ap.add_argument("--queries", type=int, default=None, help="rows per collection (default 32; --quick 4)")

@@ -2,7 +2,7 @@
 
 Run::
 
-    python -m admm_dist.bench.fidelity --seeds 1,2,3,4,5 [--config configs/cpu/standin_onpolicy.yaml]
+    python -m benchmarks.fidelity --seeds 1,2,3,4,5 [--config configs/cpu/standin_onpolicy.yaml]
         [--json results/bench_fidelity.json] [--png results/bench_fidelity.png]
         [--eval_n 400] [--sampled_n 400] [--samples 4] [--jobs 2] [--arms ADMM-ring,Centralized]
         [--select last|best] [key=value ...]
@@ -55,8 +55,8 @@ learning curve). ``--reuse`` keeps a job's file when its settings are unchanged.
 
 This module owns the command line (:func:`parse_args`) and the whole run: the worker processes,
 one job each (:func:`main` with ``--job`` in a worker), and the assembly of their results. The
-arms and one job are in :mod:`admm_dist.bench.fidelity_run`, the statistics, the table and the
-figure in :mod:`admm_dist.bench.fidelity_stats`.
+arms and one job are in :mod:`benchmarks.fidelity_run`, the statistics, the table and the
+figure in :mod:`benchmarks.fidelity_stats`.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from admm_dist.bench.common import write_json
-from admm_dist.bench.fidelity_run import (
+from benchmarks.fidelity_run import (
     ARM_NAMES,
     BASE,
     COLLECT,
@@ -88,10 +88,10 @@ from admm_dist.bench.fidelity_run import (
     run_job,
     seed_jobs,
 )
-from admm_dist.bench.fidelity_stats import format_table, summarize
+from benchmarks.fidelity_stats import format_table, summarize
 from admm_dist.core.errors import UserError
 
-PROG = "python -m admm_dist.bench.fidelity"
+PROG = "python -m benchmarks.fidelity"
 DEFAULT_CONFIG = "configs/cpu/standin_onpolicy.yaml"
 SAMPLED_N = 400   # sampled chains cost --samples greedy ones a row: more greedy rows cost less
 
@@ -179,7 +179,7 @@ def _run_worker(args, job: str, argv: Sequence[str]) -> dict:
         if old.get("key") == job_key(args, job):
             return old
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONHASHSEED="0")
-    cmd = [sys.executable, "-m", "admm_dist.bench.fidelity", *argv, "--job", job]
+    cmd = [sys.executable, "-m", "benchmarks.fidelity", *argv, "--job", job]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if p.returncode != 0:
         tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["(no output)"]
@@ -274,7 +274,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from admm_dist.plots import figures   # matplotlib loads only when a figure is asked for
 
             title = f"learning benchmark: {len(args.seed_list)} seed(s), {args.eval_n} eval rows"
-            source = args.json or "python -m admm_dist.bench.fidelity"
+            source = args.json or "python -m benchmarks.fidelity"
             figures.save(figures.bench_overview(summary, args.arm_list, title), args.png, title, source)
             print(f"wrote {args.png}")
             if summary.get("curves"):

@@ -4,7 +4,7 @@ import os
 import pytest
 from transformers import AutoTokenizer
 
-from admm_dist.testing.tiny import DEFAULT_CHARS, char_tokenizer
+from admm_dist.demo.tiny import DEFAULT_CHARS, char_tokenizer
 
 from conftest import REPO
 
@@ -42,7 +42,7 @@ def test_random_qwen3_defaults_are_tiny_qwen3s_draws():
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from admm_dist.testing.tiny import random_qwen3, tiny_qwen3
+    from admm_dist.demo.tiny import random_qwen3, tiny_qwen3
 
     cfg = Qwen3Config(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=4, head_dim=16, intermediate_size=256, max_position_embeddings=2048,
@@ -65,7 +65,7 @@ def test_random_qwen3_defaults_are_tiny_qwen3s_draws():
 def test_padded_char_tokenizer_fills_the_vocabulary(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from admm_dist.testing.tiny import padded_char_tokenizer, save_random_backbone
+    from admm_dist.demo.tiny import padded_char_tokenizer, save_random_backbone
 
     tok = padded_char_tokenizer(300)
     assert len(tok) == 300 and tok.get_vocab() | char_tokenizer().get_vocab() == tok.get_vocab()

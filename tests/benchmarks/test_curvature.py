@@ -1,9 +1,9 @@
 """The curvature measurement on least squares, where every Hessian is known exactly; the chain's
-objectives are measured in tests/bench/test_bench_fidelity.py, on that file's benchmark run."""
+objectives are measured in tests/benchmarks/test_bench_fidelity.py, on that file's benchmark run."""
 import pytest
 import torch
 
-from admm_dist.bench import curvature
+from benchmarks import curvature
 from admm_dist.engine.lsq import LeastSquares
 
 
@@ -59,7 +59,7 @@ def test_the_yardstick_shows_the_dual_matters_near_the_fixed_point_not_before():
 
 
 @pytest.mark.parametrize("argv, msg", [
-    (["--workdir", "/nonexistent/never", "--seeds", "1"], "python -m admm_dist.bench.fidelity --workdir"),
+    (["--workdir", "/nonexistent/never", "--seeds", "1"], "python -m benchmarks.fidelity --workdir"),
     (["--workdir", "/nonexistent/never", "--seeds", "1,1"], "each once"),
 ])
 def test_bad_input_is_one_line(argv, msg, capsys):

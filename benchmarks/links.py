@@ -1,6 +1,6 @@
 """Consensus on bandwidth-limited links: seconds per z-step and bytes per node, side by side.
 
-    sudo python -m admm_dist.bench.links [--nodes 2,4,8] [--rates loopback,1gbit,100mbit]
+    sudo python -m benchmarks.links [--nodes 2,4,8] [--rates loopback,1gbit,100mbit]
         [--sizes 16,90] [--modes coordinator,ring,gossip,decentralized] [--compress none,int8,fp8]
         [--reps 1] [--json FILE] [--png FILE]
 
@@ -73,7 +73,7 @@ def missing() -> Optional[str]:
         if shutil.which(b) is None and shutil.which(b, path="/usr/sbin:/sbin") is None:
             return f"{b} is not installed (apt-get install iproute2 util-linux)"
     if os.geteuid() != 0:
-        return "network namespaces and tc need root: run it as root (sudo python -m admm_dist.bench.links)"
+        return "network namespaces and tc need root: run it as root (sudo python -m benchmarks.links)"
     return None
 
 
@@ -160,7 +160,7 @@ def _launch(n: int, cases: Sequence[Dict[str, Any]], reps: int, folder: str, *,
             env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
             log = open(os.path.join(folder, f"rank{r}.log"), "w")
             logs.append(log)
-            cmd = (star.prefix(r) if star else []) + [sys.executable, "-m", "admm_dist.bench.links", "--worker", spec]
+            cmd = (star.prefix(r) if star else []) + [sys.executable, "-m", "benchmarks.links", "--worker", spec]
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         end = time.monotonic() + WORKER_TIMEOUT_S
         for r, p in enumerate(procs):
@@ -372,7 +372,7 @@ def plot(result: Dict[str, Any], path: str, rate: str, mib: float) -> None:
     s = result["settings"]
     fig = figures.links(result["records"], rate=rate, mib=mib, nodes=s["nodes"], modes=s["modes"],
                         payloads=s["compress"])
-    figures.save(fig, path, f"{mib:g} MiB vectors at {rate} per link", "python -m admm_dist.bench.links")
+    figures.save(fig, path, f"{mib:g} MiB vectors at {rate} per link", "python -m benchmarks.links")
 
 
 def _list(text: str, kind, allowed: Optional[Sequence[str]] = None) -> list:
@@ -389,7 +389,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _worker(argv[1])
     from admm_dist.engine.comm import COMPRESSIONS
 
-    p = argparse.ArgumentParser(prog="python -m admm_dist.bench.links", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.links", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="2,4,8")
     p.add_argument("--rates", default=f"{LOOPBACK},1gbit,100mbit")
     p.add_argument("--sizes", default="16,90", help="vector sizes in MiB of fp32")

@@ -2,5 +2,5 @@
 backbones, the trained stand-in backbone and synthetic fit sets.
 
 Imports: every layer below it. No library layer imports it; only the commands do
-(:mod:`admm_dist.cli.train` reads the test-only fault plan of :mod:`~admm_dist.testing.faults`).
+(:mod:`admm_dist.cli.train` reads the test-only fault plan of :mod:`~tests.faults`).
 """

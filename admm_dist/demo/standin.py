@@ -39,9 +39,9 @@ from admm_dist.core.errors import UserError
 from admm_dist.mas import ChainConfig, ChainRunner
 from admm_dist.tasks.chain_arith import apply_op, load_chain_arith, score_chain_arith
 from admm_dist.tasks.scoring import extract_number, visible
-from admm_dist.testing.tiny import char_tokenizer, tiny_qwen3
+from admm_dist.demo.tiny import char_tokenizer, tiny_qwen3
 
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / "assets" / "standin"   # admm_dist/testing/ -> repo
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / "assets" / "standin"   # admm_dist/demo/ -> repo
 PROMPT, WORDS = "sequential_v2", "compact"
 MAX_NEW_TOKENS = 16
 

@@ -1,8 +1,8 @@
 """Memory of a seat group at start: what each of a seat's k ranks holds once its backbone is loaded.
 
-Run by :mod:`admm_dist.bench.placement` (its memory table), one seat group per launch::
+Run by :mod:`benchmarks.placement` (its memory table), one seat group per launch::
 
-    python -m torch.distributed.run --standalone --nproc_per_node K -m admm_dist.bench.placement_memory \\
+    python -m torch.distributed.run --standalone --nproc_per_node K -m benchmarks.placement_memory \\
         --model FOLDER --config FILE [--shard] --json PATH
 
 Each of the K gloo ranks (one seat's group) loads the backbone through the trainer's own loader
@@ -104,9 +104,9 @@ def measure(model: str, config: str, shard: bool) -> Optional[Dict[str, List[int
 
 
 def memory_command(k: int, model: str, config: str, shard: bool, json_path: str) -> List[str]:
-    """The memory probe of one seat group of ``k`` ranks (:mod:`admm_dist.bench.placement_memory`)."""
+    """The memory probe of one seat group of ``k`` ranks (:mod:`benchmarks.placement_memory`)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(k),
-            "-m", "admm_dist.bench.placement_memory", "--model", model, "--config", config,
+            "-m", "benchmarks.placement_memory", "--model", model, "--config", config,
             *(["--shard"] if shard else []), "--json", json_path]
 
 
@@ -176,7 +176,7 @@ def format_memory(rows: Sequence[Dict[str, Any]]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m admm_dist.bench.placement_memory", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.placement_memory", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="model folder (or hub id) of the backbone")
     ap.add_argument("--config", required=True, help="training config whose LoRA keys build the adapter")
     ap.add_argument("--shard", action="store_true", help="load each rank's shard only (shard_backbone=true)")

@@ -11,7 +11,7 @@ import pytest
 from admm_dist.cli import standin as standin_cli
 from admm_dist.tasks.chain_arith import load_chain_arith
 from admm_dist.tasks.scoring import extract_number
-from admm_dist.testing import standin
+from admm_dist.demo import standin
 
 SHIPPED = str(standin.DEFAULT_DIR)
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from admm_dist.bench import links
+from benchmarks import links
 
 
 def test_rates_and_bursts_follow_tc_and_hold_whole_frames():

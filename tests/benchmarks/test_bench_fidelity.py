@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from admm_dist.bench import fidelity
-from admm_dist.bench.fidelity_run import ARM_NAMES, BASE, REFERENCE
-from admm_dist.bench.fidelity_stats import SINGLE, crossed_bootstrap, format_table
+from benchmarks import fidelity
+from benchmarks.fidelity_run import ARM_NAMES, BASE, REFERENCE
+from benchmarks.fidelity_stats import SINGLE, crossed_bootstrap, format_table
 
 from conftest import REPO
 
@@ -203,7 +203,7 @@ def test_jobs_run_base_then_every_seeds_collection_then_the_arms():
 def test_the_ablations_keep_the_configs_rho_when_the_config_adapts_it(tmp_path):
     """A config with rho_adapt (the CPU default): the ADMM arms adapt rho, the ablations (no dual to rescale, or no
     coupling) run at the config's rho instead of being refused."""
-    from admm_dist.bench.fidelity_run import ARMS, base_config
+    from benchmarks.fidelity_run import ARMS, base_config
 
     assert "\nrho_adapt: true" in (REPO / fidelity.DEFAULT_CONFIG).read_text()   # the CPU default adapts rho
     args = fidelity.parse_args(["--seeds", "1", "--workdir", str(tmp_path / "w")])
@@ -217,7 +217,7 @@ def test_the_ablations_keep_the_configs_rho_when_the_config_adapts_it(tmp_path):
 def test_a_seeds_fit_set_of_other_settings_stops_the_run_in_one_line(tmp_path, capsys):
     """A job's own refusal (here the seed's fitset_cache, built under other settings) reaches the
     user as one line naming the job and the fix, not a worker's traceback."""
-    from admm_dist.testing.synthetic import write_fitset
+    from admm_dist.demo.synthetic import write_fitset
 
     (tmp_path / "w" / "seed3").mkdir(parents=True)
     write_fitset(str(tmp_path / "w" / "seed3" / "fitset.jsonl"), settings={"task": "synthetic", "n_agents": 4},
@@ -232,7 +232,7 @@ def test_a_seeds_fit_set_of_other_settings_stops_the_run_in_one_line(tmp_path, c
 
 @pytest.mark.slow   # a second benchmark run (one arm): the default suite's fixture covers -last
 def test_select_best_deploys_the_round_with_the_lowest_held_out_nll(tmp_path):
-    from admm_dist.bench.fidelity_run import ARM_BY_NAME, base_config, score_rows
+    from benchmarks.fidelity_run import ARM_BY_NAME, base_config, score_rows
 
     argv = ["--seeds", "3", "--arms", REFERENCE, "--eval_n", "4", "--samples", "0", "--workdir", str(tmp_path / "w"),
             "--json", str(tmp_path / "b.json"), "--select", "best", *TINY, "recollect_every=1",
@@ -254,9 +254,9 @@ def test_select_best_deploys_the_round_with_the_lowest_held_out_nll(tmp_path):
 
 
 def test_curvature_measures_the_trainers_objectives_at_a_rounds_z(bench, tmp_path, capsys):
-    """admm_dist.bench.curvature on this run's workdir: finite figures for every node with
+    """benchmarks.curvature on this run's workdir: finite figures for every node with
     examples, and finite differences that behave as a Hessian's products (symmetric)."""
-    from admm_dist.bench import curvature
+    from benchmarks import curvature
 
     _, _, _, tmp, _ = bench
     work = str(tmp / "work")
