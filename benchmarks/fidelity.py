@@ -24,7 +24,8 @@ What one run does, for every seed of ``--seeds``:
    ADMM-decentralized (``consensus=decentralized``, deployed per seat),
    Centralized (``pooled`` on one node), ADMM-Local (``local_only``, deployed per seat) and
    ADMM-NoDual (``no_dual``); ADMM-ring-int8 and ADMM-decentralized-int8 (``compress=int8``)
-   and ADMM-ring-int4 (``compress=int4``) when ``--arms`` names them. ``key=value`` arguments override the config for every arm.
+   and ADMM-ring-int4 (``compress=int4``) when ``--arms`` names them. ``key=value`` arguments
+   override the config for every arm.
 3. **Evaluation** of each arm on the same held-out rows (the front rows of the task's
    evaluation pool under ``--eval_seed``, checked against the arm's training report for
    leakage): greedy on the front ``--eval_n``, sampled on the front ``--sampled_n``
@@ -262,8 +263,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  for s in args.seed_list]
         summary = summarize(args, results[BASE], seeds)
         summary.update(config=args.config, overrides=args.overrides, eval_n=args.eval_n,
-                       sampled_n=args.sampled_n, eval_seed=args.eval_seed, samples=args.samples, boot=args.boot,
-                       select=args.select,
+                       sampled_n=args.sampled_n, eval_seed=args.eval_seed, samples=args.samples,
+                       boot=args.boot, select=args.select,
                        jobs=args.jobs, threads=args.threads, seconds=round(time.time() - t0, 1),
                        train_config=args.train_config.as_dict())
         print(format_table(summary, args))

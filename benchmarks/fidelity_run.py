@@ -48,7 +48,8 @@ ARMS = (
         "every example on one node: the pooled optimum ADMM approaches"),
     # rho_adapt balances ADMM's primal and dual residuals by rescaling the dual: the ablations keep
     # the config's rho (a rho_adapt given on the command line still refuses them)
-    Arm("ADMM-Local", ("local_only=true", "rho_adapt=false"), "local", "ablation: no coupling, each seat alone"),
+    Arm("ADMM-Local", ("local_only=true", "rho_adapt=false"), "local",
+        "ablation: no coupling, each seat alone"),
     Arm("ADMM-NoDual", ("no_dual=true", "rho_adapt=false"), "consensus",
         "ablation: penalty method at the config's rho, u stays 0"),
 )
@@ -94,7 +95,8 @@ def base_config(args, seed: int, arm: Optional[Arm] = None, *, quiet: bool = Tru
     seed_dir = os.path.join(args.workdir, f"seed{seed}")
     argv = ["--config", args.config, *(arm.overrides if arm else ()), *args.overrides,
             f"seed={seed}", f"fitset_cache={first_fitset(args.workdir, seed)}",
-            f"out={arm_out(args.workdir, seed, arm.name if arm else 'probe')}", f"report_dir={seed_dir}", "device=cpu",
+            f"out={arm_out(args.workdir, seed, arm.name if arm else 'probe')}", f"report_dir={seed_dir}",
+            "device=cpu",
             "overwrite=true",   # a job rerun (not --reuse) replaces that arm's earlier run
             f"quiet={str(quiet).lower()}"]
     try:
@@ -104,7 +106,8 @@ def base_config(args, seed: int, arm: Optional[Arm] = None, *, quiet: bool = Tru
             cfg = dataclasses.replace(cfg, keep_checkpoints=cfg.k_outer)
         return cfg
     except (config_mod.ConfigError, ValueError) as e:
-        raise BenchError(f"config {args.config} with {' '.join(args.overrides) or 'no overrides'}: {e}") from None
+        raise BenchError(f"config {args.config} with "
+                         f"{' '.join(args.overrides) or 'no overrides'}: {e}") from None
 
 
 def curve_rounds(cfg) -> List[int]:
@@ -246,7 +249,8 @@ def first_collection(cfg) -> Dict[str, object]:
     seed's first arm, read by every other)."""
     from admm_dist.data.fitset import load_fitset
 
-    stats = load_fitset(cfg.fitset_cache).stats if cfg.fitset_cache and os.path.isfile(cfg.fitset_cache) else {}
+    stats = (load_fitset(cfg.fitset_cache).stats if cfg.fitset_cache and os.path.isfile(cfg.fitset_cache)
+             else {})
     return {k: stats.get(k) for k in COLLECTION_KEYS}
 
 
@@ -265,7 +269,8 @@ def deployed_vectors(cfg, arm: Arm, select: str) -> Dict[int, "object"]:
     with open(os.path.join(cfg.out, "seat_map.json")) as fh:
         node_of = json.load(fh)["node_of_seat"]
     key = "x" if cfg.local_only else "z"
-    return {int(s): load_file(os.path.join(cfg.out, f"node-{n}.safetensors"))[key] for s, n in node_of.items()}
+    return {int(s): load_file(os.path.join(cfg.out, f"node-{n}.safetensors"))[key]
+            for s, n in node_of.items()}
 
 
 def run_job(args, job: str) -> Dict[str, object]:

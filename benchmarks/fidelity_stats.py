@@ -93,7 +93,8 @@ def summarize(args, base: dict, seeds: List[dict]) -> Dict[str, object]:
         single = base.get("single") if mode == "greedy" else None
         if single:
             if single["greedy_anchors"] != base["rows"]["greedy_anchors"]:
-                raise BenchError("the single seat was evaluated on other rows than the chain: rerun without --reuse")
+                raise BenchError("the single seat was evaluated on other rows than the chain: rerun without "
+                                 "--reuse")
             s1 = single["greedy"]
             table[SINGLE] = {"accuracy": [sum(s1) / len(s1)] * len(seeds), "mean": sum(s1) / len(s1)}
             for name, rows in rows_of.items():
@@ -178,7 +179,8 @@ def format_table(summary: Dict[str, object], args) -> str:
             lines.append(row)
         if SINGLE in table:
             lines.append(f"\nthe untrained model alone ({SINGLE}) on the same rows, greedy: "
-                         f"{table[SINGLE]['mean']:.3f}; each arm minus it, paired per row, 95% CI over seeds and rows")
+                         f"{table[SINGLE]['mean']:.3f}; each arm minus it, paired per row, 95% CI over seeds "
+                         "and rows")
             for name in args.arm_list:
                 r = table.get(name) or {}
                 if "minus_single" in r:
@@ -205,7 +207,8 @@ def _curve_lines(summary: Dict[str, object], w: int) -> List[str]:
             lo, hi = p["gain_ci95"]
             cells.append(f"{p['gain']:+7.3f} [{lo:+.3f}, {hi:+.3f}]".rjust(24))
         lines.append(f"{name:<{w}}" + "".join(cells))
-    lines.append(f"{'(round)':<{w}}" + "".join(f"{p['round']:>24}" for p in next(iter(curves.values()))["points"]))
+    lines.append(f"{'(round)':<{w}}"
+                 + "".join(f"{p['round']:>24}" for p in next(iter(curves.values()))["points"]))
     return lines
 
 

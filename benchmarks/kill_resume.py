@@ -22,8 +22,9 @@ ends with exactly the results of a run that was never interrupted, and leaves no
    point of the write (:data:`tests.faults.POINTS`: before the tensors, with the
    tensors' temporary written but not renamed, between the tensors and the JSON marker, with
    the marker's temporary not renamed, right after the marker). The run is started with
-   ``ADMM_DIST_FAULT_AT=ckpt@ROUND:NODE:POINT`` and ``--max-restarts 0``: the rank holding
-   NODE kills itself (SIGKILL, by its own PID) there, and torchrun stops the others, so the
+   ``ADMM_DIST_FAULT_AT=ckpt@ROUND:NODE:POINT`` and ``--max-restarts 0``, each rank running
+   ``-m tests.fault_train`` (the training command with that plan armed, :mod:`tests.faults`):
+   the rank holding NODE kills itself (SIGKILL, by its own PID) there, and torchrun stops the others, so the
    launch must fail (``fault rc`` non-zero, the SIGKILL seen in torchrun's log on that rank,
    and on no other). Then the same command with ``resume=auto`` and no fault must exit 0.
 4. The resumed run's ``-last`` vector (key ``b``) and every node file's tensors (x, z, u) are
@@ -57,6 +58,7 @@ from typing import Dict, List, Optional, Sequence
 
 from admm_dist.bench.common import descendants
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests.fault_train's root
 N_AGENTS = 4     # nodes: one per seat of the chain
 KEEPS = (1, 3)
 DEFAULT_K_OUTER = 5
@@ -97,7 +99,8 @@ def train_args(assets: Dict[str, str], folder: str, *, keep: int, k_outer: int, 
 # --------------------------------------------------------------------------- one launch
 def torchrun(args: Sequence[str], log_path: str, *, fault: Optional[str], timeout_s: float,
              nproc: int = N_AGENTS) -> int:
-    """``torchrun --standalone --nproc_per_node NPROC --max-restarts 0 -m admm_dist.train ARGS``, its
+    """``torchrun --standalone --nproc_per_node NPROC --max-restarts 0 -m admm_dist.train ARGS``
+    (with ``fault``: ``-m tests.fault_train``, the repository root on PYTHONPATH), its
     output in ``log_path``; the exit status (124 when it ran past ``timeout_s``: torchrun gets
     SIGTERM, which it passes to its workers, then every process left gets SIGKILL by PID)."""
     from tests import faults
@@ -106,8 +109,9 @@ def torchrun(args: Sequence[str], log_path: str, *, fault: Optional[str], timeou
     env.pop(faults.ENV, None)
     if fault:
         env[faults.ENV] = fault
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "--max-restarts", "0", "-m", "admm_dist.train", *args]
+           "--max-restarts", "0", "-m", "tests.fault_train" if fault else "admm_dist.train", *args]
     with open(log_path, "w") as log:
         log.write("# " + (f"{faults.ENV}={fault} " if fault else "") + " ".join(cmd) + "\n")
         log.flush()

@@ -236,7 +236,7 @@ def codec_rates(numel: int = 1 << 22, reps: int = 5) -> List[Dict[str, Any]]:
     (a payload added into a vector: what a receiver does); the best of ``reps``."""
     import torch
 
-    from admm_dist.engine.codec import COMPRESSIONS, Codec
+    from admm_dist.engine.codec import COMPRESSIONS, codec
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -245,7 +245,7 @@ def codec_rates(numel: int = 1 << 22, reps: int = 5) -> List[Dict[str, Any]]:
         h, out = torch.zeros(numel), torch.empty(numel)
         rows = []
         for name in [c for c in COMPRESSIONS if c != "none"]:
-            c = Codec(name)
+            c = codec(name)
             payload = torch.empty(c.payload_bytes(numel), dtype=torch.uint8)
             row: Dict[str, Any] = {"compress": name, "numel": numel}
             for what, fn in (("encode", lambda: c.encode_(payload, v)), ("encode_change", lambda: c.encode_(payload, v, h)),

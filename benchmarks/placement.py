@@ -88,7 +88,8 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
-from admm_dist.bench.common import Column, CpuWindow, descendants, format_rows, load_str, loadavg, num, write_json
+from admm_dist.bench.common import (Column, CpuWindow, descendants, format_rows, load_str, loadavg, num,
+                                    write_json)
 from benchmarks.placement_memory import DEFAULT_MEMORY, DEFAULT_MEMORY_KS, format_memory, run_memory
 from admm_dist.core.errors import UserError
 
@@ -166,7 +167,8 @@ def launch(world: int, cmd: Sequence[str], log_path: str, timeout_s: float) -> D
     with open(log_path, "w") as log:
         log.write("# GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 " + " ".join(cmd) + "\n")
         log.flush()
-        p = subprocess.Popen(list(cmd), env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        p = subprocess.Popen(list(cmd), env=env, stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL)
         try:
             rc: Optional[int] = p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -251,7 +253,8 @@ def report_figures(report: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def run_world(world: int, config: str, out: str, overrides: Sequence[str], timeout_s: float) -> Dict[str, Any]:
+def run_world(world: int, config: str, out: str, overrides: Sequence[str],
+              timeout_s: float) -> Dict[str, Any]:
     """One W: a fresh ``out/wW``, the run, its report's figures and its result's hash."""
     import json
 
@@ -296,8 +299,8 @@ def run(worlds: Sequence[int], *, config: str = DEFAULT_CONFIG, out: str, overri
                          "commands": {str(w): command(w, config, os.path.join(out, f"w{w}"), overrides)
                                       for w in worlds}},
             "runs": runs, "same_sha256": len(hashes) == 1, "sha256": hashes[0] if len(hashes) == 1 else None,
-            "load": {"loadavg_1min_before": load_before, "loadavg_1min_after": loadavg(), "wall_s": round(wall, 1),
-                     "cpu_cores": os.cpu_count(), "other_processes_cores": other}}
+            "load": {"loadavg_1min_before": load_before, "loadavg_1min_after": loadavg(),
+                     "wall_s": round(wall, 1), "cpu_cores": os.cpu_count(), "other_processes_cores": other}}
 
 
 def _blocks(placement: Optional[Sequence[Sequence[int]]]) -> str:
@@ -321,7 +324,8 @@ COLUMNS = (
     Column("round s", 8, lambda r: num(r["round_s"], ".3f")),
     Column("x s", 7, lambda r: num(r["x_s"], ".3f")),
     Column("z s", 7, lambda r: num(r["z_s"], ".3f")),
-    Column("wire B/round", 13, lambda r: num(r["wire_bytes_per_round"], ",.0f") + ("*" if r["wire_simulated"] else "")),
+    Column("wire B/round", 13,
+           lambda r: num(r["wire_bytes_per_round"], ",.0f") + ("*" if r["wire_simulated"] else "")),
     Column("inproc B/round", 14, lambda r: num(r["in_process_bytes_per_round"], ",.0f")),
     Column("other cores", 11, lambda r: num(r["other_processes_cores"], ".2f")),
     Column("sha256 of -last tensors", 0, lambda r: str(r["sha256"]), "<", sep="  "),
@@ -331,9 +335,9 @@ COLUMNS = (
 def format_table(runs: Sequence[Dict[str, Any]]) -> str:
     """One row per W; times in seconds, bytes per round summed over nodes."""
     lines = format_rows(COLUMNS, runs)
-    lines.append("times in s: wall of the command; train = the report's train_sec; collect = on-policy collection; "
-                 "round = mean over rounds of the slowest node's x + z + other (x: a rank's block of x-steps, "
-                 "z: the consensus); bytes summed over nodes")
+    lines.append("times in s: wall of the command; train = the report's train_sec; collect = on-policy "
+                 "collection; round = mean over rounds of the slowest node's x + z + other (x: a rank's "
+                 "block of x-steps, z: the consensus); bytes summed over nodes")
     if any(r["wire_simulated"] for r in runs):
         lines.append("* single-process run: the bytes each node would send in the distributed run (no wire)")
     return "\n".join(lines)
@@ -359,8 +363,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="world sizes W, comma-separated, run in this order (default 1,2,4)")
     ap.add_argument("--config", default=DEFAULT_CONFIG, help=f"training config (default {DEFAULT_CONFIG})")
     ap.add_argument("--out", metavar="DIR", default=None,
-                    help="scratch folder, one subfolder wW per W (default: a temporary folder, removed after)")
-    ap.add_argument("--json", metavar="PATH", help="write the settings and the figures here (a JSON dict), atomically")
+                    help="scratch folder, one subfolder wW per W "
+                         "(default: a temporary folder, removed after)")
+    ap.add_argument("--json", metavar="PATH",
+                    help="write the settings and the figures here (a JSON dict), atomically")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                     help=f"seconds one training command may take (default {DEFAULT_TIMEOUT_S:.0f})")
     ap.add_argument("--no-rounds", action="store_true", help="skip the training runs (the memory table only)")
@@ -369,7 +375,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "none to skip it (default standin,smollm2; smollm2 only once built)")
     ap.add_argument("--memory-ks", type=_worlds, default=list(DEFAULT_MEMORY_KS),
                     help="ranks per seat of the memory table (default 1,2,4; 1 is the reference)")
-    ap.add_argument("overrides", nargs="*", metavar="key=value", help="overrides passed to every training command")
+    ap.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="overrides passed to every training command")
     a = ap.parse_args(argv)
     bad = [o for o in a.overrides if "=" not in o]
     if bad:
@@ -378,7 +385,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if own:
         ap.error(f"override {own[0]!r}: out= and report_dir= are the benchmark's (use --out DIR)")
     if not os.path.isfile(a.config):
-        ap.error(f"--config {a.config} does not exist: pass a file from configs/ (run from the repository root)")
+        ap.error(f"--config {a.config} does not exist: pass a file from configs/ "
+                 "(run from the repository root)")
     if a.timeout <= 0:
         ap.error("--timeout must be positive")
     if 1 not in a.memory_ks and a.memory:
@@ -389,13 +397,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     r: Dict[str, Any] = {"runs": [], "same_sha256": True}
     try:
         if not a.no_rounds:
-            print(f"# placement benchmark: {a.config} at W = {','.join(map(str, a.worlds))}, one after another"
-                  + (f"; overrides {' '.join(overrides)}" if overrides else "") + f"; runs in {out}", flush=True)
-            print(f"# load average (1/5/15 min) before: {load_str()}; on {os.cpu_count()} cores the W ranks of a "
-                  f"run share them", flush=True)
+            print(f"# placement benchmark: {a.config} at W = {','.join(map(str, a.worlds))}, one after "
+                  "another" + (f"; overrides {' '.join(overrides)}" if overrides else "")
+                  + f"; runs in {out}", flush=True)
+            print(f"# load average (1/5/15 min) before: {load_str()}; on {os.cpu_count()} cores the W ranks "
+                  f"of a run share them", flush=True)
             r = run(a.worlds, config=a.config, out=out, overrides=overrides, timeout_s=a.timeout, log=log)
-        memory = run_memory(a.memory, a.memory_ks, config=a.config, out=out, timeout_s=a.timeout, launch=launch,
-                            log=log)
+        memory = run_memory(a.memory, a.memory_ks, config=a.config, out=out, timeout_s=a.timeout,
+                            launch=launch, log=log)
     except PlacementError as e:
         print(f"placement: error: {e.line}", file=sys.stderr)
         if e.tail:
@@ -403,13 +412,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if not a.no_rounds:
         print(format_table(r["runs"]))
-        print("sha256 of the -last tensors: " + (f"the same at every W ({r['sha256']})" if r["same_sha256"] else
-                                                 "DIFFERS between W: " + ", ".join(f"W={x['world']} {x['sha256'][:16]}"
-                                                                                  for x in r["runs"])))
+        print("sha256 of the -last tensors: "
+              + (f"the same at every W ({r['sha256']})" if r["same_sha256"] else
+                 "DIFFERS between W: " + ", ".join(f"W={x['world']} {x['sha256'][:16]}" for x in r["runs"])))
         load = r["load"]
         print(f"# load average (1/5/15 min) after the runs: {load_str()}; wall {load['wall_s']:.1f} s on "
-              f"{load['cpu_cores']} cores; other processes used about {num(load['other_processes_cores'], '.2f')} "
-              f"cores on average")
+              f"{load['cpu_cores']} cores; other processes used about "
+              f"{num(load['other_processes_cores'], '.2f')} cores on average")
         r["settings"]["out_kept"] = a.out is not None     # the temporary folder (paths in runs) is removed
     r["memory"] = memory
     if memory:

@@ -71,6 +71,8 @@ def measure(model: str, config: str, shard: bool) -> Optional[Dict[str, List[int
     import torch
     import torch.distributed as dist
 
+    from torch.distributed.device_mesh import DeviceMesh
+
     from admm_dist.model.adapter import BOnlyLoRA
     from admm_dist.model.loading import load_model
     from admm_dist.model.sharding import held_bytes
@@ -83,10 +85,11 @@ def measure(model: str, config: str, shard: bool) -> Optional[Dict[str, List[int
         cfg = config_file.load(TrainConfig, ["--config", config, f"model_name={model}"])
         _import_everything(model)
         before = vm_rss()
-        group = dist.group.WORLD if shard and dist.get_world_size() > 1 else None
-        backbone, _ = load_model(model, torch.device("cpu"), shard_over=group)
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu") if shard and dist.get_world_size() > 1 else None
+        backbone, _ = load_model(model, torch.device("cpu"), shard_over=mesh)
         adapter = BOnlyLoRA(backbone, cfg.adapter_config())
-        after = vm_rss()          # the kernel's counters lag by a few pages: the peak is at least what is held
+        after = vm_rss()          # the kernel's counters lag by a few pages: the peak is at least what
+                                  # is held
         peak = max(after, vm_rss("VmHWM"), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         row = torch.tensor([*held_bytes(adapter.model), before, after, peak], dtype=torch.int64)
         rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
@@ -122,8 +125,8 @@ def run_memory(models: Sequence[str], ks: Sequence[int], *, config: str, out: st
     for name in models:
         folder = MEMORY_MODELS.get(name, name)
         if not os.path.isfile(os.path.join(folder, "config.json")):
-            log(f"# memory: {name}: no model folder {folder}: skipped (SmolLM2: bash launch/install.sh smollm2 && "
-                f"python -m admm_dist.cli.pretrained smollm2 --out {MEMORY_MODELS['smollm2']})")
+            log(f"# memory: {name}: no model folder {folder}: skipped (SmolLM2: bash launch/install.sh "
+                f"smollm2 && python -m admm_dist.cli.pretrained smollm2 --out {MEMORY_MODELS['smollm2']})")
             continue
         for k in ks:
             for shard in ((False,) if k == 1 else (False, True)):
@@ -162,21 +165,23 @@ MEMORY_COLUMNS = (
 def format_memory(rows: Sequence[Dict[str, Any]]) -> str:
     """One row per (model, k, sharded); the largest figure over the k ranks of the seat group."""
     lines = format_rows(MEMORY_COLUMNS, rows)
-    lines.append("per rank of one seat group of k ranks, the largest over its ranks: the parameter bytes it holds "
-                 "of the backbone and of the adapter (LoRA A and B, whole on every rank); RSS before = after the "
-                 "imports, before the model; after = once the adapter is built; peak = the most resident by then "
-                 "(the sharded load's one-token forward and the backbone digest gather one weight group at a time)")
+    lines.append("per rank of one seat group of k ranks, the largest over its ranks: the parameter bytes it "
+                 "holds of the backbone and of the adapter (LoRA A and B, whole on every rank); RSS before = "
+                 "after the imports, before the model; after = once the adapter is built; peak = the most "
+                 "resident by then (the sharded load's one-token forward and the backbone digest gather one "
+                 "weight group at a time)")
     for model in dict.fromkeys(r["model"] for r in rows):
         top = max((r for r in rows if r["model"] == model and r["shard"]), key=lambda r: r["k"], default=None)
         if top is not None:
             verdict = "holds" if top["param_ratio"] <= SHARD_BOUND else "DOES NOT HOLD"
-            lines.append(f"{model}: backbone bytes per rank at k={top['k']} sharded = {top['param_ratio']:.3f} "
-                         f"of k=1's (bound {SHARD_BOUND:.2f}: {verdict})")
+            lines.append(f"{model}: backbone bytes per rank at k={top['k']} sharded = "
+                         f"{top['param_ratio']:.3f} of k=1's (bound {SHARD_BOUND:.2f}: {verdict})")
     return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.placement_memory", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.placement_memory",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="model folder (or hub id) of the backbone")
     ap.add_argument("--config", required=True, help="training config whose LoRA keys build the adapter")
     ap.add_argument("--shard", action="store_true", help="load each rank's shard only (shard_backbone=true)")

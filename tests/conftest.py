@@ -44,12 +44,15 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)     # stable: the rest keep pytest's order
 
 
-def train_local(cfg):
-    """Train ``cfg`` with every node in this process (the single-process backend); the report."""
-    from admm_dist.engine.dist import distributed, read_env
+def train_local(cfg, fault=None):
+    """Train ``cfg`` with every node in this process (the single-process backend); the report.
+    ``fault``: a plan of :mod:`faults` armed meanwhile (in one process, a ``nan@ROUND:NODE``)."""
+    import faults
+    from admm_dist.engine.dist import distributed
+    from admm_dist.engine.env import read_env
     from admm_dist.training.trainer import Trainer
 
-    with distributed("cpu", env=read_env({})) as ctx:
+    with faults.armed(fault), distributed("cpu", env=read_env({})) as ctx:
         return Trainer(cfg, ctx).train()
 
 
@@ -57,10 +60,13 @@ def cli_rank(argv):
     """One rank of ``torchrun -m admm_dist.train ARGV`` (to run under
     :func:`admm_dist.bench.launcher.launch_cpu` with ``setup=False``, which is torchrun's agent
     without an interpreter start-up per rank): exits with the command's exit code, else returns
-    the elastic attempt it finished in."""
+    the elastic attempt it finished in. The fault ``ADMM_DIST_FAULT_AT`` plans (:mod:`faults`) is
+    armed in this rank first, as ``python -m tests.fault_train`` arms it."""
     import sys
 
+    import faults
     from admm_dist.cli import train
+    faults.install(faults.from_env())
     rc = train.main(argv)
     if rc:
         sys.exit(rc)

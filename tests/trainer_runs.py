@@ -30,6 +30,7 @@ def _cfg(assets, out, **kw):
 
 
 def _train_worker(ctx, cfg):
+    faults.install(faults.from_env())     # ADMM_DIST_FAULT_AT's plan, armed in this rank
     report = Trainer(cfg, ctx).train()
     return report["loss_curve"]
 
@@ -42,7 +43,8 @@ def _args(assets, out, **kw):
 
 def _launch_cli(args, nproc, monkeypatch, restarts=0, fault=None):
     """The training command on ``nproc`` ranks under torchrun's elastic agent (in-process, from a
-    fork server: no interpreter start-up per rank); ``fault`` plans one (tests.faults)."""
+    fork server: no interpreter start-up per rank); ``fault`` plans one (tests.faults), which
+    :func:`conftest.cli_rank` arms in each rank."""
     monkeypatch.delenv(faults.ENV, raising=False)
     if fault:
         monkeypatch.setenv(faults.ENV, fault)

@@ -118,7 +118,8 @@ def _make_comms(timeout: datetime.timedelta, methods: Sequence[str]):
 
         def consensus_(self, vectors):
             (v,) = vectors
-            self.meter.add(self.rank, "all_reduce", **self.ring_convention(v.numel(), self.rank, v.element_size()))
+            self.meter.add(self.rank, "all_reduce",
+                           **self.ring_convention(v.numel(), self.rank, v.element_size()))
             self._sum_ranks(v)
 
     def comm(cls=ProcessGroupCommunicator, **kw):
@@ -296,7 +297,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--nprocs", type=_ints, default=list(DEFAULT_NPROCS),
                     help="world sizes, comma-separated (default 2,4)")
     ap.add_argument("--reps", type=int, default=None,
-                    help=f"timed repetitions per method after one warm-up (default {DEFAULT_REPS}; --quick {QUICK_REPS})")
+                    help="timed repetitions per method after one warm-up "
+                         f"(default {DEFAULT_REPS}; --quick {QUICK_REPS})")
     ap.add_argument("--wire-trials", type=int, default=5,
                     help="wire-byte brackets per method and size, at least (default 5; up to 4x as "
                          "many while all of them saw TCP retransmissions)")

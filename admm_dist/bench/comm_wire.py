@@ -3,8 +3,9 @@
 It owns how bytes on the wire are counted: :func:`interface_tx_bytes` (an interface's
 transmitted-bytes counter from the kernel: on one host the ranks talk over loopback, and
 ``/proc/net/dev`` counts every byte sent on ``lo`` once in ``tx``; the counter is machine-wide,
-so callers bracket the operation with barriers and read it on one rank), :func:`tcp_socket_bytes` (what this process's own
-TCP sockets sent and retransmitted, from ``getsockopt(TCP_INFO)``), :func:`wire_bracket` (the
+so callers bracket the operation with barriers and read it on one rank),
+:func:`tcp_socket_bytes` (what this process's own TCP sockets sent and retransmitted, from
+``getsockopt(TCP_INFO)``), :func:`wire_bracket` (the
 machine's loopback counter and those socket counters read around one operation, between
 barriers) and :func:`wire_fields` (the kept bracket of a (method, size) and the per-rank
 figures made from it: ``wire_bytes_per_rank``, ``tcp_retrans_bytes_per_rank``,
@@ -36,7 +37,8 @@ def interface_tx_bytes(iface: str = "lo", path: str = PROC_NET_DEV) -> Optional[
         name, _, rest = line.partition(":")
         if name.strip() == iface:
             fields = rest.split()
-            return int(fields[8])  # rx: bytes packets errs drop fifo frame compressed multicast; tx: bytes ...
+            # rx: bytes packets errs drop fifo frame compressed multicast; tx: bytes ...
+            return int(fields[8])
     return None
 
 

@@ -24,10 +24,10 @@ repository root; a step that fails or runs out of time is recorded and the next 
    ``hf`` and (when importable) ``vllm``.
 
 Every limit is also cut to what is left of ``--budget`` (default 440 s, so the whole check,
-stopping a last step included, ends within 8 minutes); a step that no longer fits is recorded as skipped. A child runs in
-its own session; at its limit its process group (the group id is the child's PID) gets
-SIGTERM, then SIGKILL 10 s later, so engine processes it started go with it; whatever a
-finished step left in its group is killed too. Outputs, in
+stopping a last step included, ends within 8 minutes); a step that no longer fits is recorded
+as skipped. A child runs in its own session; at its limit its process group (the group id is
+the child's PID) gets SIGTERM, then SIGKILL 10 s later, so engine processes it started go with
+it; whatever a finished step left in its group is killed too. Outputs, in
 OUT_DIR: ``gpu_check.json`` (every step: status ``ok``, ``failed``, ``timeout`` or
 ``skipped: ...``, seconds, limit, command, log file, a one-line error, the step's figures),
 ``gpu_check.md`` (the table, also printed), ``logs/<step>.log`` and the steps' own JSON
@@ -36,7 +36,8 @@ temporary folder removed at the end. Exit status 0 when no step failed, 1 otherw
 
 ``--cpu-smoke`` runs the same steps on the CPU with the ``micro`` shape (hidden 64, 2 layers,
 vocab 512; ``xstep --quick``) and a handful of tokens, to check the pipeline where there is
-no GPU (the test suite runs it). The figures are read and the table written by :mod:`admm_dist.bench.gpu_report`.
+no GPU (the test suite runs it). The figures are read and the table written by
+:mod:`admm_dist.bench.gpu_report`.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ from admm_dist.bench.gpu_report import figures, format_report
 from admm_dist.core.libraries import vllm_installed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUDGET_S = 440.0            # the steps, GPU mode: with a last step's stop (<= 20 s) and start-up, under 8 minutes
+BUDGET_S = 440.0  # the steps, GPU mode: with a last step's stop (<= 20 s) and start-up, under 8 minutes
 SMOKE_BUDGET_S = 240.0
 KILL_GRACE_S = 10.0
 
@@ -82,8 +83,10 @@ GPU = Plan("gpu", "cuda", ("--shape", "qwen3-8b", "--no-overhead"), "qwen3-0.6b"
            {"xstep": 200, "backbone": 45, "train_hf": 75, "train_vllm": 120, "collect": 120})
 SMOKE = Plan("cpu-smoke", "cpu", ("--quick", "--no-overhead"), "micro",
              ("anchors=2", "group=2", "max_new_tokens=6", "k_outer=1", "local_steps=1", "batch_size=2",
-              "lora_rank=4", "lora_alpha=8", "lora_layers_last=2", "gen_chunk=2", "no_grad_checkpointing=true"),
-             ("--queries", "2", "--samples", "2", "--repeats", "1", "--max-new-tokens", "6", "--threads", "1"),
+              "lora_rank=4", "lora_alpha=8", "lora_layers_last=2", "gen_chunk=2",
+              "no_grad_checkpointing=true"),
+             ("--queries", "2", "--samples", "2", "--repeats", "1", "--max-new-tokens", "6",
+              "--threads", "1"),
              {"xstep": 120, "backbone": 60, "train_hf": 120, "train_vllm": 180, "collect": 120})
 
 
@@ -147,7 +150,8 @@ class Runner:
         if rec["status"] == "failed":
             rec["error"] = last_line(log_path) or f"exit code {rec['exit_code']}"
         self.steps.append(rec)
-        self.log(f"# {name}: {rec['status']} ({rec['seconds']} s)" + (f": {rec['error']}" if rec["error"] else ""))
+        self.log(f"# {name}: {rec['status']} ({rec['seconds']} s)"
+                 + (f": {rec['error']}" if rec["error"] else ""))
         return rec
 
     def stop_child(self) -> None:
@@ -210,8 +214,8 @@ def check(out: str, plan: Plan, budget_s: float, log=print) -> Dict[str, Any]:
         runner.run("xstep", [py, "-m", "admm_dist.bench.xstep", "--device", plan.device, *plan.xstep_args,
                              "--json", os.path.join(out, "xstep.json")], plan.limits["xstep"])
         backbone = os.path.join(work, f"backbone-{plan.shape}")
-        bb = runner.run("backbone", [py, "-m", "admm_dist.bench.shapes", "--save", backbone, "--shape", plan.shape,
-                                     "--device", plan.device], plan.limits["backbone"])
+        bb = runner.run("backbone", [py, "-m", "admm_dist.bench.shapes", "--save", backbone, "--shape",
+                                     plan.shape, "--device", plan.device], plan.limits["backbone"])
         for backend in ("hf", "vllm"):
             name = f"train_{backend}"
             if backend == "vllm" and vllm is None:
@@ -219,15 +223,17 @@ def check(out: str, plan: Plan, budget_s: float, log=print) -> Dict[str, Any]:
             elif bb["status"] != "ok":
                 runner.skip(name, "no backbone (the backbone step did not finish)")
             else:
-                runner.run(name, [py, "-m", "admm_dist.train", *train_args(plan, backbone, backend, work, out)],
+                runner.run(name,
+                           [py, "-m", "admm_dist.train", *train_args(plan, backbone, backend, work, out)],
                            plan.limits[name])
         if bb["status"] != "ok":
             runner.skip("collect", "no backbone (the backbone step did not finish)")
         else:
             backends = "hf" if vllm is None else "hf,vllm"
-            runner.run("collect", [py, "-m", "benchmarks.collect", "--shape", plan.shape, "--backbone", backbone,
-                                   "--device", plan.device, "--backends", backends, *plan.collect_args,
-                                   "--json", os.path.join(out, "collect.json")], plan.limits["collect"])
+            runner.run("collect", [py, "-m", "benchmarks.collect", "--shape", plan.shape, "--backbone",
+                                   backbone, "--device", plan.device, "--backends", backends,
+                                   *plan.collect_args, "--json", os.path.join(out, "collect.json")],
+                       plan.limits["collect"])
     finally:
         runner.stop_child()
         signal.signal(signal.SIGTERM, previous)
@@ -269,11 +275,13 @@ def _version(dist: str) -> Optional[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m admm_dist.bench.gpu_check", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m admm_dist.bench.gpu_check",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("out", metavar="OUT_DIR", help="where the report, the logs and the steps' JSON go")
     ap.add_argument("--cpu-smoke", action="store_true", help="the same steps on the CPU with tiny shapes")
     ap.add_argument("--budget", type=float, default=None,
-                    help=f"seconds for the whole check (default {BUDGET_S:.0f}; --cpu-smoke {SMOKE_BUDGET_S:.0f})")
+                    help="seconds for the whole check "
+                         f"(default {BUDGET_S:.0f}; --cpu-smoke {SMOKE_BUDGET_S:.0f})")
     a = ap.parse_args(argv)
     plan = SMOKE if a.cpu_smoke else GPU
     budget = a.budget if a.budget is not None else (SMOKE_BUDGET_S if a.cpu_smoke else BUDGET_S)

@@ -35,7 +35,8 @@ def xstep_figures(r: Dict[str, Any]) -> Dict[str, Any]:
             continue
         rows.append({"row": label, "s_per_step": _round(s),
                      "over_ours": 1.0 if key == "ours" else _round(r.get(f"{key}_over_ours"), 3),
-                     "over_ours_paired": 1.0 if key == "ours" else _round(r.get(f"{key}_over_ours_paired"), 3),
+                     "over_ours_paired": (1.0 if key == "ours"
+                                          else _round(r.get(f"{key}_over_ours_paired"), 3)),
                      "peak_gib": _round(r.get(f"{key}_peak_gib"), 2)})
     return {"shape": sz["shape"], "device": r.get("device"), "device_name": r.get("device_name"),
             "dtype": r.get("dtype"), "batch": sz["batch"],
@@ -47,7 +48,8 @@ def xstep_figures(r: Dict[str, Any]) -> Dict[str, Any]:
 def train_figures(r: Dict[str, Any]) -> Dict[str, Any]:
     cfg = r.get("config", {})
     coll = (r.get("collections") or [{}])[0]
-    return {"generation_backend": cfg.get("generation_backend"), "model": os.path.basename(str(cfg.get("model_name"))),
+    return {"generation_backend": cfg.get("generation_backend"),
+            "model": os.path.basename(str(cfg.get("model_name"))),
             "nodes": r.get("n_nodes"), "rounds": len(r.get("rounds") or []), "examples": coll.get("examples"),
             "collect_s": coll.get("seconds"), "run_s": _round(r.get("train_sec"), 2),
             "delta_w_rel": _round(r.get("delta_w_rel"), 6), "backend": r.get("backend")}
@@ -55,7 +57,8 @@ def train_figures(r: Dict[str, Any]) -> Dict[str, Any]:
 
 def collect_figures(r: Dict[str, Any]) -> Dict[str, Any]:
     return {"device": r.get("device"), "vllm": r.get("vllm"),
-            "rows": [{k: x.get(k) for k in ("model", "backend", "start_s", "collect_s", "tok_per_s", "over_hf")}
+            "rows": [{k: x.get(k)
+                      for k in ("model", "backend", "start_s", "collect_s", "tok_per_s", "over_hf")}
                      | {"tokens": x["tokens"][0] if x.get("tokens") else None} for x in r.get("rows", [])]}
 
 
@@ -95,15 +98,17 @@ def format_report(rep: Dict[str, Any]) -> str:
     xs = fig.get("xstep")
     where = (xs or {}).get("device_name") or rep["device"]
     lines: List[str] = [f"## GPU check ({rep['mode']}, {rep['date']}, {where}; torch {rep.get('torch')}, "
-                        f"trl {rep.get('trl') or 'not installed'}, vllm {rep.get('vllm') or 'not installed'})", "",
-                        "| step | status | seconds | limit s | figures or error |", "| --- | --- | --- | --- | --- |"]
+                        f"trl {rep.get('trl') or 'not installed'}, vllm "
+                        f"{rep.get('vllm') or 'not installed'})", "",
+                        "| step | status | seconds | limit s | figures or error |",
+                        "| --- | --- | --- | --- | --- |"]
     for s in rep["steps"]:
         cell = s.get("error") or _summary(s["name"], fig.get(s["name"]))
         lines.append(f"| {s['name']} | {s['status']} | {s['seconds']} | {s.get('limit_s') or ''} | {cell} |")
     if xs:
         lines += ["", f"x-step on {xs['shape']} ({xs['dtype']}, batch {xs['batch']} pairs of "
-                      f"{'+'.join(map(str, xs['tokens']))} tokens, {xs['warmup']} warm-up + {xs['steps']} timed "
-                      f"steps in rotation):", "",
+                      f"{'+'.join(map(str, xs['tokens']))} tokens, {xs['warmup']} warm-up + {xs['steps']} "
+                      f"timed steps in rotation):", "",
                   "| row | s/step | / ours | paired | peak GiB |", "| --- | --- | --- | --- | --- |"]
         for x in xs["rows"]:
             peak = "" if x["peak_gib"] is None else f"{x['peak_gib']:.2f}"
@@ -112,10 +117,11 @@ def format_report(rep: Dict[str, Any]) -> str:
     runs = [(b, fig[f"train_{b}"]) for b in ("hf", "vllm") if f"train_{b}" in fig]
     if runs:
         lines += ["", "single-process run (backend local, 4 seats, one device):", "",
-                  "| generation | model | examples | collect s | run s (load to outputs) | rounds | delta_w_rel |",
+                  "| generation | model | examples | collect s | run s (load to outputs) | rounds | "
+                  "delta_w_rel |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {b} | {f['model']} | {f['examples']} | {f['collect_s']} | {f['run_s']} | {f['rounds']} | "
-                  f"{f['delta_w_rel']} |" for b, f in runs]
+        lines += [f"| {b} | {f['model']} | {f['examples']} | {f['collect_s']} | {f['run_s']} | {f['rounds']} "
+                  f"| {f['delta_w_rel']} |" for b, f in runs]
     if fig.get("collect"):
         lines += ["", "collection:", "", "| model | backend | start s | collect s | tokens | tok/s | / hf |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]

@@ -88,7 +88,8 @@ class Baton:
         except queue.Empty:
             raise RuntimeError(f"{name}: no {what} within {self.timeout_s:.0f} s") from None
         if kind == "error":
-            raise RuntimeError(f"{name} failed: {type(err).__name__}: {' '.join(str(err).split())[:300]}") from err
+            raise RuntimeError(f"{name} failed: {type(err).__name__}: "
+                               f"{' '.join(str(err).split())[:300]}") from err
         if kind != what:
             raise RuntimeError(f"{name}: expected {what}, got {kind}")
 

@@ -11,11 +11,12 @@ qwen3-8b         4096      36     32         8       128         12288  151936  
 
 ``tiny`` is the x-step benchmark's CPU model (its figures in docs/benchmarks.md were measured
 on it) and ``micro`` its ``--quick`` model, which the CPU smoke run of ``launch/gpu_check.sh``
-uses throughout (seconds on 2 cores); the two others are Qwen3-0.6B's and Qwen3-8B's ``config.json`` shapes (rope theta
-1e6 and 40960 positions as there). A model of a shape is a :func:`admm_dist.demo.tiny.random_qwen3`, built
-directly on its device in its dtype (bf16 on a GPU: an 8B model never passes through the
-CPU), with :func:`admm_dist.demo.tiny.padded_char_tokenizer` as the tokenizer where text
-must round-trip (collection, training).
+uses throughout (seconds on 2 cores); the two others are Qwen3-0.6B's and Qwen3-8B's
+``config.json`` shapes (rope theta 1e6 and 40960 positions as there). A model of a shape is a
+:func:`admm_dist.demo.tiny.random_qwen3`, built directly on its device in its dtype (bf16 on a
+GPU: an 8B model never passes through the CPU), with
+:func:`admm_dist.demo.tiny.padded_char_tokenizer` as the tokenizer where text must round-trip
+(collection, training).
 
 Save a backbone folder (what ``admm_dist.train`` and ``benchmarks.collect`` load)::
 

@@ -105,8 +105,8 @@ import torch
 from admm_dist.bench.common import CpuWindow, hush_future_warnings, load_footer, loadavg, write_json
 from admm_dist.bench.interleave import Row, paired_ratios, rotate, summary
 from admm_dist.bench.shapes import DEVICES, SHAPES, dtype_for, resolve_device
-from admm_dist.bench.xstep_measure import (QUICK, TIMEOUT_S, Sizes, bench_overhead, make_pairs, ours_row, sizes_for,
-                                           trl_row, trl_version)
+from admm_dist.bench.xstep_measure import (QUICK, TIMEOUT_S, Sizes, bench_overhead, make_pairs, ours_row,
+                                           sizes_for, trl_row, trl_version)
 
 TRL_FIELDS = ("trl_s", "trl_precompute_s", "trl_over_ours", "trl_precompute_over_ours",
               "trl_over_ours_paired", "trl_precompute_over_ours_paired", "trl_cpu_s", "trl_precompute_cpu_s",
@@ -267,8 +267,9 @@ def format_table(r: Dict[str, Any]) -> str:
         lines.append(line(label, key, r[f"{key}_over_ours"], r[f"{key}_over_ours_paired"],
                           r[f"{key}_over_ours_paired_cpu"]))
     lines.append("-" * len(head))
-    lines.append(f"steps in rotation (ours, TRL, TRL precompute), {sz['warmup']} warm-up + {sz['steps']} timed "
-                 f"each; / ours: ratio of the medians; paired: median of the {sz['steps']} per-rotation ratios"
+    lines.append(f"steps in rotation (ours, TRL, TRL precompute), {sz['warmup']} warm-up + {sz['steps']} "
+                 f"timed each; / ours: ratio of the medians; paired: median of the {sz['steps']} "
+                 "per-rotation ratios"
                  + ("; cpu: the row thread's CPU time per step, its paired ratio after it" if cpu else ""))
     n_pairs = sz["batch"] * (sz["warmup"] + sz["steps"])
     lines.append(f"one-off reference pass: ours {r['ours_precompute_s']:.2f} s, TRL "
@@ -308,7 +309,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="ADMM rounds of the overhead part, the first a warm-up (default 6; --quick 3)")
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL rows")
     ap.add_argument("--no-overhead", action="store_true", help="skip the overhead part (gloo CPU ranks)")
-    ap.add_argument("--quick", action="store_true", help="smoke test: the micro shape, few steps (= --shape micro)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: the micro shape, few steps (= --shape micro)")
     args = ap.parse_args(argv)
     if args.quick and args.shape not in (None, "micro"):
         ap.error(f"--quick is --shape micro: drop --shape {args.shape} or --quick")

@@ -64,7 +64,8 @@ class Sizes:
 # A real shape: a batch of realistic length, fewer steps (each one is seconds on a GPU).
 REAL_SHAPE_SIZES = dict(batch=4, prompt_tokens=512, target_tokens=256, steps=6, warmup=2)
 # The micro shape (--quick): a smoke test, every count small.
-QUICK_SIZES = dict(batch=2, prompt_tokens=8, target_tokens=8, rank=4, steps=3, warmup=1, local_steps=2, rounds=3)
+QUICK_SIZES = dict(batch=2, prompt_tokens=8, target_tokens=8, rank=4, steps=3, warmup=1, local_steps=2,
+                   rounds=3)
 
 
 def sizes_for(shape_name: str) -> Sizes:
@@ -186,7 +187,8 @@ def bench_trainer_class():
 
 
 def single_ctx(device="cpu"):
-    from admm_dist.engine.dist import DistContext, DistEnv
+    from admm_dist.engine.dist import DistContext
+    from admm_dist.engine.env import DistEnv
 
     device = torch.device(device)
     if device.type == "cuda":

@@ -39,7 +39,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--adapt_roles", choices=ROLE_SETS, default="all")
     p.add_argument("--fit_prompt", choices=prompt_modes(), default=None,
                    help="re-render every prompt under this prompt mode")
-    p.add_argument("--model_name", default=None, help="tokenizer for --fit_prompt (default: the trajectories')")
+    p.add_argument("--model_name", default=None,
+                   help="tokenizer for --fit_prompt (default: the trajectories')")
     return p
 
 
@@ -58,7 +59,8 @@ def read_chains(paths: Sequence[str], n_agents: int) -> List[dict]:
             if len(msgs) != n_agents:
                 raise UserError(f"{where} has {len(msgs)} seats but --n_agents is {n_agents}")
             if task is not None and rec["task"] != task:
-                raise UserError(f"{where} is task {rec['task']} but earlier chains are {task}: one task per fit set")
+                raise UserError(f"{where} is task {rec['task']} but earlier chains are {task}: one task per "
+                                "fit set")
             if rec.get("correct") not in (True, False, None):
                 raise UserError(f"{where}: correct must be true, false or null")
             task = rec["task"]
@@ -120,7 +122,8 @@ def build(args) -> int:
         stats["queries"] = queries
     settings = {"task": task, "n_agents": args.n_agents, "adapt_roles": args.adapt_roles,
                 "sampling_structure": "actual_trajectory"}
-    fs.save_fitset(args.out, examples, fit_mode="sft", settings=settings, stats=stats, anchor_keys=list(anchors))
+    fs.save_fitset(args.out, examples, fit_mode="sft", settings=settings, stats=stats,
+                   anchor_keys=list(anchors))
     print(f"wrote {args.out}: {len(examples)} examples from {len(chains)} chains (seats {seats})")
     return 0
 

@@ -25,8 +25,9 @@ PROG = "admm-dist-evaluate"
 __doc__ = evaluation.__doc__
 # evaluation's flag -> the training key it shares (the same name but for batch_size)
 SHARED = {name: name for name in (
-    "task", "task_path", "n_ops", "model_name", "seed", "n_agents", "prompt", "think", "text_mas_context_length",
-    "adapt_roles", "max_new_tokens", "top_p", "generation_backend", "agent_models", "device", "dtype")}
+    "task", "task_path", "n_ops", "model_name", "seed", "n_agents", "prompt", "think",
+    "text_mas_context_length", "adapt_roles", "max_new_tokens", "top_p", "generation_backend", "agent_models",
+    "device", "dtype")}
 SHARED["batch_size"] = "gen_batch_size"
 # without --config these stay unset: the deployed run's (--adapter/--state) value applies
 FROM_RUN = {"model_name": "the deployed run's", "adapt_roles": "the deployed run's, else all",
@@ -62,7 +63,8 @@ class EvalParser(OneLineParser):
 
 
 def build_parser() -> EvalParser:
-    p = EvalParser(prog=PROG, description=evaluation.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = EvalParser(prog=PROG, description=evaluation.__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--config", default=None, metavar="RUN.yaml",
       help="a training config (configs/*.yaml, or a run's <out>/config.yaml): the model, task, chain and "
@@ -76,14 +78,16 @@ def build_parser() -> EvalParser:
     a("--n", type=int, default=None, metavar="N", help="number of rows (default: all)")
     a("--offset", type=int, default=0, metavar="N", help="first row (default: 0)")
     _shared(p, "n_agents")
-    _shared(p, "prompt", config_file.meta(TrainConfig, "prompt")["help"] + "; --config gives its fit_prompt if set")
+    _shared(p, "prompt",
+            config_file.meta(TrainConfig, "prompt")["help"] + "; --config gives its fit_prompt if set")
     _shared(p, "think")
     _shared(p, "text_mas_context_length")
     _shared(p, "adapt_roles")
     _shared(p, "max_new_tokens")
     a("--temperature", type=float, default=0.0, metavar="X", help="0: greedy; > 0 samples (default: 0)")
     _shared(p, "top_p")
-    a("--samples", type=int, default=1, metavar="N", help="chains per row; more than 1 needs --temperature > 0 (default: 1)")
+    a("--samples", type=int, default=1, metavar="N",
+      help="chains per row; more than 1 needs --temperature > 0 (default: 1)")
     _shared(p, "batch_size")
     _shared(p, "generation_backend")
     a("--adapter", default=None, metavar="FILE",
@@ -110,7 +114,8 @@ def read_config(path: str) -> TrainConfig:
         return config_file.build(TrainConfig, (path, config_file.load_yaml(path)), listed_by=TRAIN_HELP)
     except UserError as e:
         msg = str(e)
-        raise ConfigError(msg if path in msg else f"--config {path} is not a valid training config: {msg}") from None
+        raise ConfigError(msg if path in msg
+                          else f"--config {path} is not a valid training config: {msg}") from None
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -127,11 +132,11 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             value = None if name in FROM_RUN else default_of(TrainConfig, key)
         setattr(args, name, value)
     if args.task is None:
-        raise UserError("pass --task NAME (the task to evaluate), or --config RUN.yaml of a run that collected "
-                        "on one")
+        raise UserError("pass --task NAME (the task to evaluate), or --config RUN.yaml of a run that "
+                        "collected on one")
     if run is not None and args.task not in tasks.REGISTRY:
-        raise UserError(f"--config {args.config} has task={args.task!r} (a pre-built fit set's label, not a task): "
-                        f"pass --task NAME, one of {', '.join(sorted(tasks.REGISTRY))}")
+        raise UserError(f"--config {args.config} has task={args.task!r} (a pre-built fit set's label, not a "
+                        f"task): pass --task NAME, one of {', '.join(sorted(tasks.REGISTRY))}")
     return args
 
 

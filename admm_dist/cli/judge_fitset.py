@@ -35,7 +35,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--fitset", required=True, metavar="IN.jsonl")
     p.add_argument("--judge", required=True, help="judge model folder or hub id")
     p.add_argument("--out", required=True, metavar="OUT.jsonl")
-    p.add_argument("--task_path", default=None, help="the task's rows, when the fit set's stats lack behaviors")
+    p.add_argument("--task_path", default=None,
+                   help="the task's rows, when the fit set's stats lack behaviors")
     p.add_argument("--split", default=None, help="split of --task_path / the hub set (default: eval)")
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--max_new_tokens", type=int, default=4)
@@ -52,7 +53,8 @@ def behaviors(f: fs.FitSet, task: str, task_path: Optional[str], split: Optional
         kw = {"path": task_path} if task_path else {}
         for it in tasks.load(task, split=split or "eval", **kw):
             if it["anchor"] in need:
-                known[it["anchor"]] = {"behavior": it.get("behavior") or it["gold"], "context": it.get("context")}
+                known[it["anchor"]] = {"behavior": it.get("behavior") or it["gold"],
+                                       "context": it.get("context")}
         missing = need - set(known)
         if missing:
             raise UserError(f"{len(missing)} anchors of {f.path} are not rows of {task} "
@@ -68,8 +70,8 @@ def label(args) -> int:
     task = str(f.settings.get("task"))
     spec = tasks.get(task)
     if spec.answer_type != "safety":
-        raise UserError(f"{args.fitset} is a {task} fit set ({spec.answer_type} answers): the HarmBench judge "
-                        f"labels safety fit sets only")
+        raise UserError(f"{args.fitset} is a {task} fit set ({spec.answer_type} answers): the HarmBench "
+                        f"judge labels safety fit sets only")
     beh = behaviors(f, task, args.task_path, args.split)
     judge = Judge.load(args.judge, resolve_device(args.device), batch_size=args.batch_size,
                        max_new_tokens=args.max_new_tokens)
@@ -93,7 +95,8 @@ def label(args) -> int:
     settings = dict(f.settings, judge=args.judge, judge_fingerprint=judge.fingerprint)
     stats = dict(f.stats, judge={"judged": len(verdicts), "harmful": harmful, "unparsed": unparsed,
                                  "fingerprint": judge.fingerprint_info})
-    fs.save_fitset(args.out, out, fit_mode=f.fit_mode, settings=settings, stats=stats, anchor_keys=f.anchor_keys)
+    fs.save_fitset(args.out, out, fit_mode=f.fit_mode, settings=settings, stats=stats,
+                   anchor_keys=f.anchor_keys)
     print(f"wrote {args.out}: {len(verdicts)} messages judged, {harmful} harmful, {unparsed} unparsed "
           f"(judge {args.judge}, fingerprint {judge.fingerprint[:12]})")
     return 0

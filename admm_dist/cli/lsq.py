@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", choices=TOPOLOGIES, default="ring")
     p.add_argument("--gossip_steps", type=int, default=1)
     p.add_argument("--compress", choices=COMPRESSIONS, default="none",
-                   help="payload of the z-step: fp32, or int8 / fp8 codes of the change against a public copy")
+                   help="payload of the z-step: fp32, or int8 / fp8 codes of the change against a public "
+                        "copy")
     p.add_argument("--rho", type=float, default=1.0)
     p.add_argument("--k_outer", type=int, default=60)
     p.add_argument("--xstep", choices=["exact", "adam"], default="exact")

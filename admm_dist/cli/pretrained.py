@@ -9,7 +9,8 @@ from admm_dist.model import pretrained
 
 
 def main(argv=None) -> int:
-    ap = OneLineParser(prog="python -m admm_dist.cli.pretrained", description=pretrained.__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m admm_dist.cli.pretrained",
+                       description=pretrained.__doc__.split("\n\n")[0])
     ap.add_argument("model", choices=sorted(pretrained.MODELS), help="which packaged model")
     ap.add_argument("--out", default=None, help="the model folder to write (default: assets/<model>)")
     a = ap.parse_args(argv)

@@ -107,16 +107,15 @@ def _run(argv: List[str], flag: PreemptionFlag, stop: StopSignals, where: _Where
     from admm_dist.core import config_file
     from admm_dist.core.errors import RunError, UserError
     from admm_dist.core.libraries import quiet_libraries
-    from admm_dist.engine.dist import distributed, read_env
+    from admm_dist.engine.dist import distributed
+    from admm_dist.engine.env import read_env
     from admm_dist.engine.preemption import Preempted, record_pid
-    from tests import faults
     from admm_dist.training.config import TrainConfig
     from admm_dist.training.trainer import Trainer
 
     quiet_libraries()
     try:
         cfg = config_file.load(TrainConfig, argv)
-        plan = faults.from_env()
     except UserError as e:   # every rank finds it alike: said by the first, once per job
         stop.hold()
         return _failed(e, where, None, f"{PROG}: error: ")
@@ -129,7 +128,7 @@ def _run(argv: List[str], flag: PreemptionFlag, stop: StopSignals, where: _Where
         rank = where.rank = read_env().rank
         unrecord = record_pid(rank)
         with distributed(cfg.device, timeout_s=cfg.timeout_s) as ctx:
-            report = Trainer(cfg, ctx, preempt=flag, faults=plan).train()
+            report = Trainer(cfg, ctx, preempt=flag).train()
             stop.hold()   # everything is written: a signal from now on does not make it "interrupted"
     except Interrupted as e:
         stop.hold()   # a second signal (torchrun's agent forwards the Ctrl-C) is only a note now
@@ -193,7 +192,7 @@ def _on_rank(rank: int, message: str) -> str:
 
 def _job_env():
     """This worker's place in the job, or None where the environment is itself the error."""
-    from admm_dist.engine.dist import DistConfigError, read_env
+    from admm_dist.engine.env import DistConfigError, read_env
 
     try:
         return read_env()

@@ -13,5 +13,5 @@
 
 Layers, bottom to top (a module imports only from its own layer and the ones below; the test
 ``tests/test_layers.py`` checks it): core, engine, model, tasks, data, mas, training,
-testing, plots, cli, bench.
+demo, plots, cli, bench.
 """

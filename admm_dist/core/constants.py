@@ -19,12 +19,14 @@ LSQ_SALT = 100003           # the least-squares problem's node i is drawn from s
 # lora_rank against the smallest dimension of the projections it adapts, lora_layers_last against
 # the backbone's layers. batch_size is not bounded by a node's examples: a node with fewer repeats
 # them within a batch (its help says so), which small on-policy collections rely on.
-MAX_AGENTS = 64             # n_agents: seats of a chain (no role or prompt limits it; each seat reads the upstream)
+MAX_AGENTS = 64             # n_agents: seats of a chain (no role or prompt limits it; each seat reads
+                            # the upstream)
 MAX_NODES = 64              # n_partitions: ADMM nodes, each holding x, z, u and Adam's moments
 MAX_OPS = 16                # n_ops: operations per chain_arith / word_arith problem
 MAX_QUERIES = 100_000       # anchors, anchor_pool, recollect_anchors, gen_chunk: queries of one collection
 MAX_SAMPLES = 1024          # group, prefix_samples: rollouts per query
-MAX_TOKENS = 1 << 20        # max_new_tokens, sink_tokens, max_prompt_tokens, max_target_tokens, vllm_max_model_len
+MAX_TOKENS = 1 << 20        # max_new_tokens, sink_tokens, max_prompt_tokens, max_target_tokens,
+                            # vllm_max_model_len
 MAX_GEN_BATCH = 1 << 16     # gen_batch_size: rows per generate call
 MAX_ROUNDS = 100_000        # k_outer, and the periods and counts in rounds: dev_every, checkpoint_every,
                             # recollect_every, keep_checkpoints

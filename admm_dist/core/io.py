@@ -11,7 +11,7 @@ import json
 import os
 import secrets
 import stat
-from typing import Any, Callable, List, Optional
+from typing import Any, List
 
 from admm_dist.core.errors import UserError
 
@@ -38,7 +38,7 @@ def _naming(exc: OSError, path: str) -> OSError:
     return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), path)   # the errno's subclass
 
 
-def atomic_write_bytes(path: str, data: bytes, *, before_rename: Optional[Callable[[], None]] = None) -> None:
+def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write to a new temporary file in the same folder, fsync, then rename over ``path``.
 
     Nothing follows a link: the folder is opened once and every step is taken through that
@@ -71,8 +71,6 @@ def atomic_write_bytes(path: str, data: bytes, *, before_rename: Optional[Callab
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        if before_rename is not None:   # tests only (tests.faults): a kill inside a write
-            before_rename()
         os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         tmp = None
     except BaseException as exc:
@@ -122,10 +120,9 @@ def check_output_file(path: str, flag: str) -> None:
         raise UserError(f"{flag} {path} cannot be written: {here} is read-only or not ours; choose another {flag}")
 
 
-def atomic_write_json(path: str, obj: Any, *, indent: int = 2,
-                      before_rename: Optional[Callable[[], None]] = None) -> None:
+def atomic_write_json(path: str, obj: Any, *, indent: int = 2) -> None:
     text = json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=False)
-    atomic_write_bytes(path, (text + "\n").encode("utf-8"), before_rename=before_rename)
+    atomic_write_bytes(path, (text + "\n").encode("utf-8"))
 
 
 def replace_dir(tmp: str, dst: str) -> None:

@@ -267,7 +267,8 @@ class OutputLock:
             self.notes.append(f"{name}: took over a stale lock ({holder.describe()} is no longer running)")
             return
         raise LockedError(f"{name} is locked by {holder.describe()}, which cannot be checked from host "
-                          f"{me.host}: wait for that job, or if no run is using it there, remove {path}; or choose {fix}")
+                          f"{me.host}: wait for that job, or if no run is using it there, remove {path}; or "
+                          f"choose {fix}")
 
     def release(self) -> None:
         for path, fd in list(self.fds.items()):

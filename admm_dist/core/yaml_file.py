@@ -45,8 +45,9 @@ class _StrictLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         if self._depth >= MAX_CONFIG_DEPTH:
             line = self.peek_event().start_mark.line + 1
-            raise _Beyond(f": line {line}: nested deeper than {MAX_CONFIG_DEPTH} levels, the ceiling of a config "
-                          "file (MAX_CONFIG_DEPTH): a config is flat key: value pairs; flatten the value")
+            raise _Beyond(f": line {line}: nested deeper than {MAX_CONFIG_DEPTH} levels, the ceiling of a "
+                          "config file (MAX_CONFIG_DEPTH): a config is flat key: value pairs; "
+                          "flatten the value")
         self._depth += 1
         try:
             return super().compose_node(parent, index)
@@ -56,9 +57,9 @@ class _StrictLoader(yaml.SafeLoader):
     def get_single_node(self):
         node = super().get_single_node()
         if node is not None and _expanded_size(node, MAX_CONFIG_NODES) > MAX_CONFIG_NODES:
-            raise _Beyond(f" holds more than {MAX_CONFIG_NODES} values once its aliases (*name) are expanded, the "
-                          "ceiling of a config file (MAX_CONFIG_NODES): a config is flat key: value pairs; write "
-                          "each value once")
+            raise _Beyond(f" holds more than {MAX_CONFIG_NODES} values once its aliases (*name) are "
+                          "expanded, the ceiling of a config file (MAX_CONFIG_NODES): a config is flat key: "
+                          "value pairs; write each value once")
         return node
 
     def construct_mapping(self, node, deep=False):
@@ -128,9 +129,9 @@ def load_yaml(path: str) -> Dict[str, Any]:
         raise ConfigError(f"config file {path} cannot be read ({e.strerror or type(e).__name__}): "
                           "give a readable YAML file to --config") from None
     if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes, the ceiling of a config "
-                          "file (MAX_CONFIG_BYTES): give a YAML file of key: value lines, e.g. --config "
-                          "configs/cpu/admm_ring.yaml")
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes, the ceiling of a "
+                          "config file (MAX_CONFIG_BYTES): give a YAML file of key: value lines, e.g. "
+                          "--config configs/cpu/admm_ring.yaml")
     not_text = (f"config file {path} is not a text file ({{}}): give a YAML file to --config, "
                 "e.g. --config configs/cpu/admm_ring.yaml")
     nul = raw.find(b"\0")
@@ -139,7 +140,8 @@ def load_yaml(path: str) -> Dict[str, Any]:
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise ConfigError(not_text.format(f"byte {raw[e.start]:#04x} at offset {e.start} is not UTF-8")) from None
+        raise ConfigError(not_text.format(f"byte {raw[e.start]:#04x} at offset {e.start} is not "
+                                          "UTF-8")) from None
     try:
         data = yaml.load(text, Loader=_StrictLoader)
     except _DuplicateKey as e:

@@ -182,11 +182,12 @@ def save_fitset(path: str, examples: Sequence[Example], *, fit_mode: str,
         lines.append(json.dumps(dataclasses.asdict(ex), ensure_ascii=False, allow_nan=False).encode("utf-8"))
         if len(lines[-1]) > MAX_FITSET_LINE_BYTES:   # it would not load back
             raise FitSetError(f"example {i} is {len(lines[-1])} bytes as a fit-set line, over the ceiling "
-                              f"{MAX_FITSET_LINE_BYTES} (MAX_FITSET_LINE_BYTES): shorten its prompt and messages "
-                              "(e.g. a lower max_new_tokens)")
+                              f"{MAX_FITSET_LINE_BYTES} (MAX_FITSET_LINE_BYTES): shorten its prompt and "
+                              "messages (e.g. a lower max_new_tokens)")
     if len(lines[0]) > MAX_FITSET_HEADER_BYTES:
-        raise FitSetError(f"the fit-set header is {len(lines[0])} bytes, over the ceiling {MAX_FITSET_HEADER_BYTES} "
-                          "(MAX_FITSET_HEADER_BYTES): collect on fewer queries, or with smaller stats")
+        raise FitSetError(f"the fit-set header is {len(lines[0])} bytes, over the ceiling "
+                          f"{MAX_FITSET_HEADER_BYTES} (MAX_FITSET_HEADER_BYTES): collect on fewer queries, "
+                          "or with smaller stats")
     atomic_write_bytes(path, b"\n".join(lines) + b"\n")
 
 
@@ -261,8 +262,8 @@ def _read_lines(path: str) -> List[str]:
             if not raw:
                 return lines
             if len(raw) > limit and not raw.endswith(b"\n"):
-                raise FitSetError(f"{path}: line {len(lines) + 1} is longer than {limit} bytes, the ceiling of a "
-                                  f"fit-set line ({what}): no example is that long; the file is not one "
+                raise FitSetError(f"{path}: line {len(lines) + 1} is longer than {limit} bytes, the ceiling "
+                                  f"of a fit-set line ({what}): no example is that long; the file is not one "
                                   "admm_dist wrote, or was edited: rebuild the fit set")
             try:
                 lines.append(raw.decode("utf-8").removesuffix("\n"))

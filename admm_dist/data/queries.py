@@ -67,8 +67,9 @@ def training_slice(items: Sequence[dict], count: int, *, offset: Optional[int] =
         return list(items[lo:lo + size])
     hi = n - used
     if hi - size < 1:   # keep at least one row at the front for evaluation
-        raise UserError(f"{used + size} training queries ({collection + 1} collections) do not fit in the pool "
-                        f"of {n} rows: lower --anchors, --recollect_anchors (or --anchor_pool) or --recollect_every")
+        raise UserError(f"{used + size} training queries ({collection + 1} collections) do not fit in the "
+                        f"pool of {n} rows: lower --anchors, --recollect_anchors (or --anchor_pool) or "
+                        "--recollect_every")
     return list(items[hi - size:hi])
 
 
@@ -80,7 +81,8 @@ def evaluation_rows(items: Sequence[dict], n: Optional[int] = None, *, offset: i
     return list(items[offset:end])
 
 
-def refuse_leaks(rows: Sequence[dict], train_keys: Sequence[str], *, report: str = "the training report") -> None:
+def refuse_leaks(rows: Sequence[dict], train_keys: Sequence[str], *,
+                 report: str = "the training report") -> None:
     """Raise if any row was a training query (by anchor key)."""
     used = set(train_keys)
     leaked = [r["anchor"] for r in rows if r["anchor"] in used]

@@ -190,7 +190,8 @@ def train(out: str, *, seed: int = 0, threads: int = 2, log_every: int = 50,
         if (step + 1) >= rc["probe_from"] and (step + 1) % rc["probe_every"] == 0 and probe:
             acc = _greedy_chain_acc(model, tok, probe, rc["n_agents"])
             probes.append((step + 1, acc))
-            log(f"[standin] step {step + 1}: greedy chain accuracy {acc:.3f} on {len(probe)} held-out questions")
+            log(f"[standin] step {step + 1}: greedy chain accuracy {acc:.3f} on {len(probe)} held-out "
+                "questions")
             if acc >= rc["stop_greedy"]:
                 break
     model.eval()
@@ -295,7 +296,8 @@ def check(folder: Optional[str] = None, *, n: int = 400, samples: int = 8, tempe
             got = extract_number(g.texts[seat])
             src = it["start"] if seat == 0 else extract_number(g.texts[seat - 1])
             try:
-                ok += got is not None and int(got) == apply_op(int(src), it["ops"][seat][0], int(it["ops"][seat][1:]))
+                ok += got is not None and int(got) == apply_op(int(src), it["ops"][seat][0],
+                                                               int(it["ops"][seat][1:]))
             except (TypeError, ValueError):
                 pass
         seat_ok.append(ok / len(items))

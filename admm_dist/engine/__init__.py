@@ -12,7 +12,6 @@
 - :mod:`~admm_dist.engine.admm`: the ADMM round (x-step callback, z and dual updates,
   residuals), which never touches ranks;
 - :mod:`~admm_dist.engine.preemption`: SIGUSR2 noted and agreed, PID files, ``status.json``;
-- :mod:`~admm_dist.bench.launcher`: a bounded local multi-process launch (tests, benchmarks);
 - :mod:`~admm_dist.engine.lsq`: the engine on distributed least squares (closed-form check).
 
 Imports: :mod:`admm_dist.core` only.

@@ -75,7 +75,8 @@ def penalty_scale(comm: Communicator, node: int) -> float:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ADMMConfig:
     rho: float = key(0.03, "ADMM penalty: how strongly each node is pulled to the consensus (lambda = 1/rho)")
-    local_only: bool = key(False, "ADMM-Local ablation: no coupling (no z or u exchange); each node keeps its x_i")
+    local_only: bool = key(False,
+                           "ADMM-Local ablation: no coupling (no z or u exchange); each node keeps its x_i")
     no_dual: bool = key(False, "ADMM-NoDual ablation: the duals u_i stay 0 (a penalty method)")
     rho_adapt: bool = key(False, "residual balancing (Boyd et al. 2011, 3.4.1): rho grows or shrinks "
                           "when one residual exceeds the other; duals are rescaled")
@@ -266,7 +267,8 @@ class ADMMEngine:
 
     def _every(self, rows: torch.Tensor) -> torch.Tensor:
         """[len(nodes), k] -> [n_nodes, k]: gathered by the leaders, given to their seat groups."""
-        table = self.comm.gather_rows(rows) if self.seat.leads else rows.new_empty(self.comm.n_nodes, rows.shape[1])
+        table = (self.comm.gather_rows(rows) if self.seat.leads
+                 else rows.new_empty(self.comm.n_nodes, rows.shape[1]))
         self.seat.broadcast([table])
         return table
 
@@ -291,12 +293,13 @@ class ADMMEngine:
             for name, dst in (("x", self.x), ("z", self.z), ("u", self.u)):
                 src = own[name]
                 if src.shape != dst[k].shape:
-                    raise ValueError(f"{name} of node {node}: shape {tuple(src.shape)} != {tuple(dst[k].shape)} "
-                                     "(a state from another configuration)")
+                    raise ValueError(f"{name} of node {node}: shape {tuple(src.shape)} != "
+                                     f"{tuple(dst[k].shape)} (a state from another configuration)")
                 dst[k].copy_(src)
             public = {name[len(COMM):]: t for name, t in own.items() if name.startswith(COMM)}
             if self.comm.compress != "none" and not public:
-                raise ValueError(f"node {node}'s state lacks the public copies of compress={self.comm.compress}")
+                raise ValueError(f"node {node}'s state lacks the public copies of "
+                                 f"compress={self.comm.compress}")
             self.comm.load_node_state(node, public)
         self.round = int(state["round"])
         self._rho = float(state["rho"])

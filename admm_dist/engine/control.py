@@ -100,7 +100,8 @@ class Control:
 class GroupControl(Control):
     """Agreement over ``group`` (a gloo group), every wait bounded by ``timeout``."""
 
-    def __init__(self, group: dist.ProcessGroup, blocks: Sequence[range], timeout: datetime.timedelta) -> None:
+    def __init__(self, group: dist.ProcessGroup, blocks: Sequence[range],
+                 timeout: datetime.timedelta) -> None:
         super().__init__(blocks)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -113,7 +114,8 @@ class GroupControl(Control):
         return [int(v) for v in t.tolist()]
 
     def _table(self, rows: torch.Tensor) -> torch.Tensor:
-        return gather_blocks(rows, self.blocks, self.group, self.timeout, "gathering a control table")[self._first]
+        return gather_blocks(rows, self.blocks, self.group, self.timeout,
+                             "gathering a control table")[self._first]
 
     def _rows(self, row: torch.Tensor) -> torch.Tensor:
         every = [torch.empty_like(row) for _ in self.blocks]

@@ -1,16 +1,11 @@
-"""Process-group set-up and tear-down, in one place.
+"""Process-group set-up and tear-down, in one place: the one module that creates process groups
+and meshes. torchrun's environment is read by :mod:`admm_dist.engine.env`.
 
-Everything that reads torchrun's environment (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) lives here; the rest of the
-package receives a :class:`DistEnv` or a communicator and never looks at the
-environment itself.
-
-- :func:`read_env` turns the environment into a :class:`DistEnv`. A process
-  started without torchrun is a world of size 1.
 - :func:`backend_for` is the single place that maps a device to a backend
   (``cuda`` -> ``nccl``, ``cpu`` -> ``gloo``).
-- :func:`seat_groups` creates, for W = k x N, each seat's group of k ranks and the group of
-  their leaders (:mod:`admm_dist.engine.seat_group`).
+- :func:`build_mesh` creates, from a run's placement, every group beyond the default and control
+  ones: for W = k x N the (N, k) device mesh of the seat groups and of the columns across seats
+  (:class:`RankMesh`; :mod:`admm_dist.engine.seat_group`).
 - :func:`distributed` is a context manager that binds the device from
   ``LOCAL_RANK``, creates the default process group with a collective timeout and
   the gloo group of control agreement (:mod:`admm_dist.engine.control`), enters only
@@ -27,89 +22,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import os
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Iterator, Mapping, Optional, Tuple
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from admm_dist.core.constants import DEFAULT_TIMEOUT_S
 from admm_dist.core.errors import RunError, UserError, describe
 from admm_dist.engine.comm.communicator import CommError, first_line
-from admm_dist.engine.job import FirstFailure, roll_call
-
-if TYPE_CHECKING:
-    from admm_dist.engine.job import RollCall
-    from admm_dist.engine.placement import Placement
-    from admm_dist.engine.seat_group import SeatGroup
+from admm_dist.engine.env import DistConfigError, DistEnv, read_env
+from admm_dist.engine.job import FirstFailure, RollCall, roll_call
+from admm_dist.engine.placement import Placement
+from admm_dist.engine.seat_group import SeatGroup
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 DEVICE_FORMS = "auto, cpu, cuda or cuda:N"   # what a device setting may be (check_device)
 _CUDA_N = re.compile(r"cuda:[0-9]+")
-
-
-class DistConfigError(UserError):
-    """The distributed environment is inconsistent; the message says how to fix it."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DistEnv:
-    """What torchrun tells a worker about its place in the job."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    master_addr: Optional[str] = None
-    master_port: Optional[int] = None
-    agent_store: bool = False       # torchrun's agent hosts the TCPStore
-    restart_count: int = 0          # which attempt of the job this is (torchrun's restarts)
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise DistConfigError(f"WORLD_SIZE={self.world_size}: it must be >= 1")
-        if not 0 <= self.rank < self.world_size:
-            raise DistConfigError(
-                f"RANK={self.rank} is outside [0, WORLD_SIZE={self.world_size}): "
-                "launch with torchrun, which sets both consistently")
-        if self.local_rank < 0:
-            raise DistConfigError(f"LOCAL_RANK={self.local_rank}: it must be >= 0")
-        if self.world_size > 1 and (not self.master_addr or not self.master_port):
-            raise DistConfigError(
-                "WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set: "
-                "launch with torchrun (e.g. torchrun --standalone --nproc_per_node N ...)")
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def _int(env: Mapping[str, str], key: str, default: int) -> int:
-    raw = env.get(key)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise DistConfigError(f"{key}={raw!r} is not an integer: unset it or launch with torchrun") from None
-
-
-def read_env(env: Optional[Mapping[str, str]] = None) -> DistEnv:
-    """Read torchrun's variables; without them the process is a world of size 1."""
-    env = os.environ if env is None else env
-    world = _int(env, "WORLD_SIZE", 1)
-    port = env.get("MASTER_PORT")
-    return DistEnv(
-        rank=_int(env, "RANK", 0),
-        world_size=world,
-        local_rank=_int(env, "LOCAL_RANK", 0),
-        master_addr=env.get("MASTER_ADDR") or None,
-        master_port=int(port) if port else None,
-        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
-    )
 
 
 def check_device(requested: object) -> str:
@@ -162,7 +94,7 @@ class DistContext:
     timeout: datetime.timedelta
     # the gloo group of control agreement (admm_dist.engine.control): CPU under any backend
     control: Optional[dist.ProcessGroup] = None
-    roll_call: Optional["RollCall"] = None   # names the ranks that went away (admm_dist.engine.job)
+    roll_call: Optional[RollCall] = None   # names the ranks that went away (admm_dist.engine.job)
 
     @property
     def rank(self) -> int:
@@ -354,21 +286,39 @@ def backend_failure(e: BaseException) -> bool:
     return type(e) is RuntimeError and _LOST_PEER.search(str(e)) is not None
 
 
-def seat_groups(placement: "Placement", timeout: datetime.timedelta
-                ) -> Tuple["SeatGroup", Optional[dist.ProcessGroup]]:
-    """This rank's seat group and the leaders' process group (the consensus between seats) of
-    ``placement``; for k = 1, a seat group of one and None (the default group carries it all).
-    Every rank creates every group, in the same order, as ``new_group`` requires."""
-    from admm_dist.engine.seat_group import SeatGroup
+@dataclasses.dataclass(frozen=True)
+class RankMesh:
+    """Where this rank sits, built once from a :class:`~admm_dist.engine.placement.Placement` by
+    :func:`build_mesh`; every group a run uses is taken from here.
 
-    if placement.k == 1:
-        return SeatGroup(), None
-    rank, mine = dist.get_rank(), None
-    for first in placement.leaders:
-        ranks = list(placement.seat_group(first))
-        group = dist.new_group(ranks, timeout=timeout)
-        mine = group if rank in ranks else mine
-    leaders = dist.new_group(placement.leaders, timeout=timeout)
-    ours = placement.seat_group(rank)
-    return SeatGroup(placement.k, rank - ours.start, mine, timeout, leader=ours.start), leaders
+    W = k x N: a device mesh of shape (N, k), dims ``("seat", "shard")``, rank s k + j at [s, j].
+    Along ``shard`` are the k ranks of one seat (the seat group, and FSDP2's mesh with
+    ``shard_backbone``); along ``seat`` the N ranks j, k + j, ... of column j, one per seat:
+    column 0 is the leaders, who run the consensus; every rank's communicator is over its own
+    column, so a rank only ever holds groups it belongs to. W <= N: the default group carries
+    the consensus (``across`` is None) and each rank is a seat group of its own."""
+    placement: Placement
+    seat: SeatGroup                            # the ranks of this rank's seat (itself when k = 1)
+    across: Optional[dist.ProcessGroup] = None   # this rank's column across seats (None: the default group)
+    device_mesh: Optional[DeviceMesh] = None   # ("seat", "shard"), when k > 1
+    shard: Optional[DeviceMesh] = None         # the 1-D mesh of this rank's seat group (FSDP2's), when k > 1
 
+
+def build_mesh(placement: Placement, ctx: DistContext) -> RankMesh:
+    """This rank's :class:`RankMesh` of ``placement``: the one place, with :func:`distributed`,
+    that creates process groups. Every rank creates every group, in the same order, as
+    ``new_group`` requires, each bounded by the run's timeout."""
+    if placement.k == 1 or not ctx.env.is_distributed:
+        return RankMesh(placement, SeatGroup())
+    n, k = placement.n_nodes, placement.k
+    grid = torch.arange(placement.world).view(n, k)
+    rows = [dist.new_group(grid[s].tolist(), timeout=ctx.timeout) for s in range(n)]
+    columns = [dist.new_group(grid[:, j].tolist(), timeout=ctx.timeout) for j in range(k)]
+    seat, index = divmod(ctx.rank, k)
+    mesh = DeviceMesh.from_group([columns[index], rows[seat]], ctx.device.type, mesh=grid,
+                                 mesh_dim_names=("seat", "shard"))
+    own = mesh.get_group("shard")
+    # FSDP2 gets a mesh of the seat group's own process group: one sliced out of this one
+    # (``mesh["shard"]``) left the layers' weights sharded in the forward on torch 2.13
+    return RankMesh(placement, SeatGroup(k, index, own, ctx.timeout, leader=seat * k), mesh.get_group("seat"),
+                    mesh, DeviceMesh.from_group(own, ctx.device.type))

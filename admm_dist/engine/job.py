@@ -22,12 +22,11 @@ import contextlib
 import datetime
 import threading
 import time
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from admm_dist.engine.dist import DistEnv
+from admm_dist.engine.env import DistEnv
 
 SILENT_S = 2.0             # a rank that has not answered a roll call in this long went away
 POLL_S = 0.05              # how often the caller looks for the answers
@@ -35,7 +34,7 @@ STORE_TIMEOUT = datetime.timedelta(seconds=5)
 ANSWER_WAIT = datetime.timedelta(days=365)   # a rank's thread waits for the next roll call for good
 
 
-def agent_store(env: "DistEnv") -> Optional[dist.Store]:
+def agent_store(env: DistEnv) -> Optional[dist.Store]:
     """A client of the agent's store of this job, or None (no agent store, or it does not answer)."""
     if not (env.is_distributed and env.agent_store):
         return None
@@ -59,7 +58,8 @@ class RollCall:
         self.store, self.rank, self.world_size = main, rank, world_size
         self.base = f"{prefix}/roll"
         self._left, self._gone = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._answer, args=(waiter,), daemon=True, name="admm-roll-call")
+        self._thread = threading.Thread(target=self._answer, args=(waiter,), daemon=True,
+                                        name="admm-roll-call")
         self._thread.start()
 
     def _answer(self, store: dist.Store) -> None:
@@ -109,17 +109,18 @@ class RollCall:
             return []
 
 
-def roll_call(env: "DistEnv", prefix: str) -> Optional[RollCall]:
+def roll_call(env: DistEnv, prefix: str) -> Optional[RollCall]:
     """This rank's :class:`RollCall` in the agent's store, or None without one."""
     main, waiter = agent_store(env), agent_store(env)
-    return None if main is None or waiter is None else RollCall(main, waiter, env.rank, env.world_size, prefix)
+    return (None if main is None or waiter is None
+            else RollCall(main, waiter, env.rank, env.world_size, prefix))
 
 
 class FirstFailure:
     """The first failure of this attempt of the job (``TORCHELASTIC_RESTART_COUNT``: a restarted
     attempt starts with none), as ``(rank, message)``."""
 
-    def __init__(self, env: Optional["DistEnv"]) -> None:
+    def __init__(self, env: Optional[DistEnv]) -> None:
         self.rank = env.rank if env is not None else 0
         self.store = agent_store(env) if env is not None else None
         self.key = f"admm_dist/failed/attempt-{env.restart_count if env is not None else 0}"

@@ -21,21 +21,28 @@ from typing import List, Sequence
 from admm_dist.core.errors import UserError
 
 
+def even_split(n_items: int, parts: int) -> List[range]:
+    """``n_items`` cut into ``parts`` contiguous ranges of near-equal size, in order: the first
+    ``n_items mod parts`` one longer (empty ones when there are fewer items than parts). The one
+    rule for nodes over ranks, chunks of a vector over nodes and micro-batches over parts."""
+    base, extra = divmod(n_items, parts)
+    out, start = [], 0
+    for r in range(parts):
+        size = base + (1 if r < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
 def blocks(n_nodes: int, world: int) -> List[range]:
     """The contiguous node block of each rank, in rank order."""
     if world < 1:
         raise UserError(f"world size {world}: a run needs at least one rank")
     if world > n_nodes:
-        raise UserError(f"world size {world} > number of nodes {n_nodes}: these ranks hold blocks of nodes, "
-                        f"so launch at most {n_nodes} rank(s) (torchrun --nproc_per_node {n_nodes}, or "
-                        "fewer: several nodes then share a rank); the trainer also takes k ranks per node")
-    base, extra = divmod(n_nodes, world)
-    out, start = [], 0
-    for r in range(world):
-        size = base + (1 if r < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
+        raise UserError(f"world size {world} > number of nodes {n_nodes}: these ranks hold blocks of "
+                        f"nodes, so launch at most {n_nodes} rank(s) (torchrun --nproc_per_node {n_nodes}, "
+                        "or fewer: several nodes then share a rank); the trainer also takes k ranks per node")
+    return even_split(n_nodes, world)
 
 
 def owners(n_nodes: int, world: int) -> List[int]:

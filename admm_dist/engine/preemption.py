@@ -12,7 +12,8 @@ writes ``pids/<host>-rank<RANK>.pid`` there at start (whole or not at all: a tem
 ``.<name>.*.tmp`` renamed into place, which the script's ``<host>-rank*.pid`` glob never
 matches) and removes it at exit, and rank 0 writes ``status.json`` when it stops::
 
-    {"state": "finished" | "preempted" | "failed" | "interrupted", "round": 12, "out": "runs/x", "message": "..."}
+    {"state": "finished" | "preempted" | "failed" | "interrupted", "round": 12, "out": "runs/x",
+     "message": "..."}
 
 (``interrupted``: Ctrl-C or SIGTERM stopped the run where it was, ``round`` null; the checkpoints
 written before stay and ``resume=auto`` continues after the last round every rank completed.)
@@ -208,7 +209,8 @@ class Preempted(AdmmDistError):
         if not in_setup:
             msg = f"preempted after round {round_}: checkpoint written; rerun with resume=auto"
         elif round_ == 0:
-            msg = "preempted during set-up, before round 1: nothing to resume yet; rerun (resume=auto starts at round 0)"
+            msg = ("preempted during set-up, before round 1: nothing to resume yet; rerun (resume=auto "
+                   "starts at round 0)")
         else:
             msg = (f"preempted during set-up after resuming round {round_}: its checkpoint stands; "
                    "rerun with resume=auto")

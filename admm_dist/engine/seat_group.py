@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from admm_dist.core.errors import UserError
 from admm_dist.engine.comm.communicator import wait_all
+from admm_dist.engine.placement import even_split
 
 if TYPE_CHECKING:
     from admm_dist.engine.comm.meter import ByteMeter
@@ -35,13 +36,7 @@ def parts(items: Sequence[int], m: int) -> list:
     if not 1 <= m <= len(items):
         raise UserError(f"micro_batches={m} for a minibatch of {len(items)}: set micro_batches "
                         f"between 1 and batch_size ({len(items)})")
-    base, extra = divmod(len(items), m)
-    out, start = [], 0
-    for p in range(m):
-        size = base + (1 if p < extra else 0)
-        out.append(list(items[start:start + size]))
-        start += size
-    return out
+    return [list(items[r.start:r.stop]) for r in even_split(len(items), m)]
 
 
 def check_micro_batches(micro_batches: int, k: int) -> None:

@@ -65,19 +65,20 @@ class ChainConfig:
     n_agents: int = key(4, "seats in the chain (roles Planner, Critic, Refiner, Judger, then Agent5, ...)",
                         at_most=MAX_AGENTS)
     prompt: str = key("sequential_v2", "prompt layout: sequential (a seat reads the previous message), "
-                      "sequential_v2 (every upstream message), hierarchical (seats answer alone, the last reads "
-                      "them all); *_v2s: hardened (other agents' messages are quoted as data)", choices=P.prompt_modes())
+                      "sequential_v2 (every upstream message), hierarchical (seats answer alone, the last "
+                      "reads them all); *_v2s: hardened (other agents' messages are quoted as data)",
+                      choices=P.prompt_modes())
     words: str = key("default", "the task's prompt wording", choices=P.WORDINGS)
     think: bool = key(False, "turn on the chat template's thinking mode (needs an enable_thinking switch)")
     context_tokens: Optional[int] = key(None, "cap on the upstream context a seat reads, in tokens "
                                         "(none or 0: no cap)")
     max_new_tokens: int = key(4096, "token budget of each generated message", at_most=MAX_TOKENS)
-    sink_tokens: Optional[int] = key(None, "the last seat's budget in training rollouts (none: max_new_tokens; "
-                                     "0: it does not generate)", at_most=MAX_TOKENS)
+    sink_tokens: Optional[int] = key(None, "the last seat's budget in training rollouts (none: "
+                                     "max_new_tokens; 0: it does not generate)", at_most=MAX_TOKENS)
     temperature: float = key(0.8, "sampling temperature of on-policy rollouts (> 0)")
     top_p: float = key(0.95, "nucleus sampling: keep the smallest token set of this probability, in (0, 1]")
-    batch_size: int = key(64, "rows per generate call (memory only: results do not change)", at_most=MAX_GEN_BATCH,
-                          fingerprint="ignored")
+    batch_size: int = key(64, "rows per generate call (memory only: results do not change)",
+                          at_most=MAX_GEN_BATCH, fingerprint="ignored")
 
     def __post_init__(self) -> None:
         check_ceilings(self)
@@ -90,7 +91,8 @@ class ChainConfig:
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.sink_tokens is not None and self.sink_tokens < 0:
-            raise UserError(f"sink_tokens={self.sink_tokens} must be >= 0 (0: the last seat does not generate)")
+            raise UserError(f"sink_tokens={self.sink_tokens} must be >= 0 (0: the last seat does not "
+                            "generate)")
         if self.batch_size < 1:
             raise UserError(f"batch_size={self.batch_size} must be >= 1")
 
@@ -106,7 +108,8 @@ def check_think(tokenizer, think: bool) -> None:
         return
     template = getattr(tokenizer, "chat_template", None) or ""
     if not isinstance(template, str):
-        template = " ".join(map(str, dict(template).values())) if isinstance(template, dict) else str(template)
+        template = (" ".join(map(str, dict(template).values())) if isinstance(template, dict)
+                    else str(template))
     if "enable_thinking" not in template:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise UserError(f"think=true: the chat template of {name} has no thinking switch "
@@ -185,7 +188,8 @@ class ChainRunner:
         n_tokens: List[List[int]] = [[0] * len(t) for t in texts]
         start = min((len(t) for t in texts), default=n)
         todo = sum(n - len(t) for t in texts)
-        with progress.bar(total=todo, desc=self.progress or "", unit="msg", show=bool(self.progress)) as shown:
+        with progress.bar(total=todo, desc=self.progress or "", unit="msg",
+                          show=bool(self.progress)) as shown:
             for seat in range(start, n):
                 self._seat(seat, items, texts, prompts, finished, n_tokens, seed_of, shown.update)
         samples = samples if samples is not None else [0] * len(items)

@@ -65,7 +65,8 @@ def collect_key(cfg, *, init_sha: str = "none", collection: int = 0) -> Dict[str
     key = {k: getattr(cfg, k) for k in COLLECT_KEY}
     # targets: a message keeps the end-of-turn token it ended with (Collector._example); a cache
     # collected before that rule lacks the entry and is refused, naming the fix
-    key.update(init_sha=init_sha, collection=collection, sampling_structure="on_policy", targets="end_of_turn")
+    key.update(init_sha=init_sha, collection=collection, sampling_structure="on_policy",
+               targets="end_of_turn")
     return key
 
 
@@ -108,9 +109,9 @@ class Collector:
     credit: str = key("shared", "shared: every message of a chain gets the chain's outcome; per_role: each "
                       "adapted seat resamples its message from one fixed prefix and the chain is finished "
                       "with downstream_seed, so an outcome difference belongs to that seat", choices=CREDITS)
-    reward: str = key("outcome", "what scores a rollout: outcome (the task's scorer on the final answer), judge "
-                      "(safety labels stored in the fit set by judge_fitset), gold_likelihood (log-prob of the "
-                      "gold answer after the chain)", choices=REWARDS)
+    reward: str = key("outcome", "what scores a rollout: outcome (the task's scorer on the final answer), "
+                      "judge (safety labels stored in the fit set by judge_fitset), gold_likelihood "
+                      "(log-prob of the gold answer after the chain)", choices=REWARDS)
     seed: int = 42
     downstream_seed: int = key(1234, "per_role: the sampling seed of the seats after the branching one")
     chunk: int = key(8, "queries per collection work unit; units are spread over the ranks")
@@ -137,8 +138,9 @@ class Collector:
         if self.world > 1 and self.exchange is None:
             raise UserError("a collection over several ranks needs an exchange (collect.gather_json)")
         # each seat's end-of-turn text, read once (a fast tokenizer builds its whole vocabulary per lookup)
-        self._end_of_turn = {seat: end_of_turn_text(self.runner.seat_models.get(seat, (None, self.runner.tok))[1])
-                             for seat in self.seats}
+        self._end_of_turn = {
+            seat: end_of_turn_text(self.runner.seat_models.get(seat, (None, self.runner.tok))[1])
+            for seat in self.seats}
 
     # ------------------------------------------------------------------ work split
     def _map(self, items: Sequence[dict], fn: Callable[[List[dict]], List[Any]]) -> List[Any]:

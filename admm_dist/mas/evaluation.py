@@ -100,7 +100,8 @@ def from_adapter(path: str, deploy: str, seats: Callable[[dict], List[int]]) -> 
     _, meta = load_vector(path)
     ident = meta.get("adapter")
     if not isinstance(ident, dict) or not isinstance(ident.get("config"), dict):
-        raise UserError(f"--adapter {path} carries no adapter identity: re-save it with save_vector(..., adapter=)")
+        raise UserError(f"--adapter {path} carries no adapter identity: re-save it with save_vector(..., "
+                        "adapter=)")
     if meta.get("deploy_required") == "local":
         raise UserError(f"--adapter {path}: its run has no exact consensus (gossip or local_only): evaluate "
                         f"the run folder with --deploy local --state DIR")
@@ -127,12 +128,14 @@ def from_state(folder: str, deploy: str, n_agents: int, seats: Callable[[dict], 
     sm = read_json(os.path.join(folder, "seat_map.json"), "seat map")
     cfg, node_of = sm.get("config"), sm.get("node_of_seat")
     if not isinstance(cfg, dict) or not isinstance(node_of, dict):
-        raise UserError(f"{folder}/seat_map.json lacks config or node_of_seat: it was not written by the trainer")
+        raise UserError(f"{folder}/seat_map.json lacks config or node_of_seat: it was not written by the "
+                        "trainer")
     if cfg.get("n_agents", n_agents) != n_agents:
         raise UserError(f"--state {folder} was trained on a chain of {cfg['n_agents']} seats: pass "
                         f"--n_agents {cfg['n_agents']}")
     if deploy == "consensus" and sm.get("deploy_required") == "local":
-        raise UserError(f"--state {folder}: the run has no exact consensus (gossip or local_only): use --deploy local")
+        raise UserError(f"--state {folder}: the run has no exact consensus (gossip or local_only): use "
+                        "--deploy local")
     key = "x" if deploy == "local" and cfg.get("local_only") else "z"
     want = seats(cfg)
     missing = [s for s in want if str(s) not in node_of]
@@ -153,16 +156,16 @@ def from_state(folder: str, deploy: str, n_agents: int, seats: Callable[[dict], 
             raise UserError(f"{path} is not a readable safetensors file ({type(exc).__name__})") from None
         written = meta.get("round")
         if written is not None and sm.get("round") is not None and str(sm["round"]) != written:
-            raise UserError(f"{path} holds round {written} but the run's seat_map.json is of round {sm['round']}: "
-                            "a stale file (its rank could not write the final one); finish the run with "
-                            "resume=auto first")
+            raise UserError(f"{path} holds round {written} but the run's seat_map.json is of round "
+                            f"{sm['round']}: a stale file (its rank could not write the final one); finish "
+                            "the run with resume=auto first")
         # a node file copied from another node's name, or another run's, is refused like a stale one
         if meta.get("node") is not None and meta["node"] != str(node):
-            raise UserError(f"{path} holds node {meta['node']}'s state, not node {node}'s: it was copied from "
-                            "another file; restore the run's own node files (or train again)")
+            raise UserError(f"{path} holds node {meta['node']}'s state, not node {node}'s: it was copied "
+                            "from another file; restore the run's own node files (or train again)")
         if meta.get("fingerprint") and sm.get("fingerprint") and meta["fingerprint"] != sm["fingerprint"]:
-            raise UserError(f"{path} was written by another run (fingerprint {meta['fingerprint']}, the seat map's "
-                            f"{sm['fingerprint']}): restore the run's own node files (or train again)")
+            raise UserError(f"{path} was written by another run (fingerprint {meta['fingerprint']}, the seat "
+                            f"map's {sm['fingerprint']}): restore the run's own node files (or train again)")
         if key not in tensors:
             raise UserError(f"{path} holds no {key!r} tensor (keys {sorted(tensors)}): not a node state file")
         return tensors[key]
@@ -204,7 +207,8 @@ def train_keys(path: str) -> List[str]:
     rep = read_json(path, "training report")
     keys = rep.get("anchor_keys")
     if not isinstance(keys, list):
-        raise UserError(f"training report {path} lists no anchor_keys: pass the <name>-train.json the trainer wrote")
+        raise UserError(f"training report {path} lists no anchor_keys: pass the <name>-train.json the "
+                        "trainer wrote")
     return [str(k) for k in keys]
 
 
@@ -242,7 +246,8 @@ def prepare(args):
         raise UserError(f"task {args.task} is a safety task scored by a judge: pass --judge MODEL "
                         f"(e.g. cais/HarmBench-Llama-2-13b-cls)")
     if args.judge and not safety:
-        raise UserError(f"--judge is for safety tasks; {args.task} is scored by its {spec.answer_type} answers")
+        raise UserError(f"--judge is for safety tasks; {args.task} is scored by its {spec.answer_type} "
+                        "answers")
     if spec.answer_type == "code":   # no sandbox, no scoring: say so before any model loads
         isolation()
     if args.train_report:   # another task's report would guard nothing: say so before any work
@@ -379,8 +384,8 @@ def evaluate(args) -> int:
     if args.json:
         atomic_write_json(args.json, summary)
     if settings["deploy"] and not settings["train_report"] and not settings["leakage_checked_by_file"]:
-        print(f"note: no training report found for {settings['deploy']}: leakage not checked (pass --train_report)",
-              file=sys.stderr)
+        print(f"note: no training report found for {settings['deploy']}: leakage not checked "
+              "(pass --train_report)", file=sys.stderr)
     print(line)
     if args.json:
         print(f"wrote {args.json}")

@@ -49,7 +49,8 @@ class RowSeededSampler:
             return scores
         keep = self.nucleus(s)
         noisy = torch.full_like(s, float("-inf"))
-        # the kept tokens' noise only, picked on the host (u's device), so a GPU gets those, not the vocabulary
+        # the kept tokens' noise only, picked on the host (u's device), so a GPU gets those, not the
+        # vocabulary
         gumbel = -torch.log(-torch.log(u[keep.to(u.device)].clamp_min(1e-300)))
         noisy[keep] = s[keep] + gumbel.to(s.device, s.dtype)
         scores[rows] = noisy

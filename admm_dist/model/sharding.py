@@ -7,7 +7,7 @@ library itself. The model is first built on the meta device only to compare ever
 shape with its file's, so that a ``config.json`` that does not match its weights is refused
 before any memory is asked for. It is then built again with accelerate's ``init_empty_weights``
 (parameters take no memory, buffers such as the rotary frequencies are real). Then, over the
-seat group's ranks (a 1-D device mesh from its process group), each decoder layer becomes one
+seat group's ranks (the 1-D ``shard`` mesh of :class:`~admm_dist.engine.dist.RankMesh`), each decoder layer becomes one
 ``fully_shard`` group; the decoder's embedding and final norm with the output head (tied or not)
 one more, a group of two modules, because the objectives run the decoder and then the head on
 the scored positions only (:func:`admm_dist.model.objectives.token_logps`); and the causal LM
@@ -44,14 +44,16 @@ import json
 import os
 import re
 import struct
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError, deserialize, safe_open
 
 from admm_dist.core.errors import UserError, one_line
 from admm_dist.core.io import check_model_files
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
@@ -249,11 +251,11 @@ def _local_folder(src: str) -> str:
     return snapshot_download(src, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"])
 
 
-def load_sharded(src: str, device: torch.device, group: dist.ProcessGroup, dtype: torch.dtype):
-    """The causal LM of ``src`` with its weights sharded over ``group`` (the ranks of one seat),
-    each rank reading only its own rows from the safetensors files."""
+def load_sharded(src: str, device: torch.device, mesh: "DeviceMesh", dtype: torch.dtype):
+    """The causal LM of ``src`` with its weights sharded over ``mesh`` (1-D: the ranks of one seat,
+    :attr:`admm_dist.engine.dist.RankMesh.shard`), each rank reading only its own rows from the
+    safetensors files."""
     from accelerate import init_empty_weights
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -268,7 +270,6 @@ def load_sharded(src: str, device: torch.device, group: dist.ProcessGroup, dtype
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()                    # a tied head is the embedding's parameter, held once
-    mesh = DeviceMesh.from_group(group, device_type=device.type)
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh)
@@ -281,7 +282,7 @@ def load_sharded(src: str, device: torch.device, group: dist.ProcessGroup, dtype
             b.copy_(buffers[name])
         for name, p in model.named_parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
-            files.read_rows(name, _first_row(p, group), local)
+            files.read_rows(name, first_row(p), local)
     with torch.no_grad():   # FSDP2 takes its root to be the first module run: run the model once
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
     return model.eval()
@@ -309,12 +310,14 @@ def check_shapes(config, files: WeightFiles, folder: str) -> None:
                             f"allocated); download the model again")
 
 
-def _first_row(p: torch.Tensor, group: dist.ProcessGroup) -> int:
-    """The first row of dim 0 that this rank holds of ``p`` (FSDP2 shards dim 0 as torch.chunk)."""
-    if not hasattr(p, "to_local") or p.dim() == 0:
+def first_row(p: torch.Tensor) -> int:
+    """The first row of dim 0 that this rank holds of ``p``: FSDP2 shards a parameter's dim 0 as
+    its DTensor placement ``Shard(0)`` says (torch.chunk's rule), so the offset is that placement's."""
+    if not hasattr(p, "placements") or p.dim() == 0:
         return 0
-    chunk = -(-p.shape[0] // dist.get_world_size(group))
-    return min(dist.get_rank(group) * chunk, p.shape[0])
+    shard, mesh = p.placements[0], p.device_mesh
+    _, offset = shard.local_shard_size_and_offset(p.shape[shard.dim], mesh.size(0), mesh.get_local_rank(0))
+    return int(offset)
 
 
 def _return_freed_memory() -> None:

@@ -15,8 +15,8 @@ Every rank draws the same frozen A basis from ``lora_basis_seed``
 
 :class:`AdapterError` (a :class:`~admm_dist.core.errors.UserError`) is defined here, below
 :mod:`admm_dist.model.adapter`, which imports this module and re-exports it. This module
-needs an adapter only through its ``numel``, ``identity()`` and ``model``, so it never imports
-:mod:`admm_dist.model.adapter` (only for type hints).
+needs an adapter only through its ``numel``, ``identity()`` and ``model`` (:class:`Adapter`), so
+it never imports :mod:`admm_dist.model.adapter`.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -32,12 +32,18 @@ from admm_dist.core.errors import UserError
 from admm_dist.core.io import atomic_write_bytes
 from admm_dist.model.sharding import whole
 
-if TYPE_CHECKING:
-    from admm_dist.model.adapter import BOnlyLoRA
-
 VECTOR_KEY = "b"
 VECTOR_FORMAT = "admm_dist.b_vector"
 VECTOR_FORMAT_VERSION = 1
+
+
+class Adapter(Protocol):
+    """What this module reads of an adapter (:class:`~admm_dist.model.adapter.BOnlyLoRA`)."""
+    numel: int
+    model: Any
+    backbone_id: Optional[Dict[str, Any]]
+
+    def identity(self) -> Dict[str, Any]: ...
 
 
 class AdapterError(UserError):
@@ -45,7 +51,7 @@ class AdapterError(UserError):
 
 
 def save_vector(path: str, vec: torch.Tensor, meta: Optional[Dict[str, Any]] = None, *,
-                adapter: Optional[BOnlyLoRA] = None) -> None:
+                adapter: Optional[Adapter] = None) -> None:
     """Write ``vec`` (1-D, stored fp32) to a safetensors file under key "b", atomically.
 
     ``meta`` (JSON-serialisable) goes into the safetensors metadata; with ``adapter`` its
@@ -89,7 +95,7 @@ def canonical_header(blob: bytes) -> bytes:
     return len(text).to_bytes(8, "little") + text + blob[8 + n:]
 
 
-def load_vector(path: str, expect: Optional[BOnlyLoRA] = None, *,
+def load_vector(path: str, expect: Optional[Adapter] = None, *,
                 backbone: bool = False) -> Tuple[torch.Tensor, Dict[str, Any]]:
     """Read a file written by :func:`save_vector`: returns (fp32 CPU vector, meta).
 
@@ -161,7 +167,8 @@ def backbone_identity(adapter: Any) -> Optional[Dict[str, Any]]:
     if getattr(adapter, "backbone_id", None) is not None:
         return adapter.backbone_id
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    name = getattr(base, "name_or_path", None) or getattr(getattr(base, "config", None), "_name_or_path", None)
+    name = (getattr(base, "name_or_path", None)
+            or getattr(getattr(base, "config", None), "_name_or_path", None))
     h = hashlib.sha256()
     params = sorted((n.replace(".base_layer.", "."), p) for n, p in base.named_parameters()
                     if "lora_" not in n and not p.is_meta)
@@ -175,7 +182,7 @@ def backbone_identity(adapter: Any) -> Optional[Dict[str, Any]]:
     return adapter.backbone_id
 
 
-def check_backbone(path: str, theirs: Any, adapter: BOnlyLoRA) -> None:
+def check_backbone(path: str, theirs: Any, adapter: Adapter) -> None:
     """Refuse a file trained on another backbone than ``adapter``'s (by :func:`backbone_identity`'s
     weight digest), naming both. A file that records no backbone (saved without an adapter, as a
     vector made by hand for ``init_state``) is accepted: only its shape can be checked."""
@@ -192,7 +199,7 @@ def check_backbone(path: str, theirs: Any, adapter: BOnlyLoRA) -> None:
                        f"load it on the backbone it was trained on{hint}")
 
 
-def _check_identity(path: str, ident: Any, adapter: BOnlyLoRA) -> None:
+def _check_identity(path: str, ident: Any, adapter: Adapter) -> None:
     fix = "build the adapter with the file's settings and backbone, or start from a zero vector"
     if not isinstance(ident, dict):
         raise AdapterError(f"{path} carries no adapter identity (saved without adapter=): re-save it "

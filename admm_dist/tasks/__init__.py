@@ -10,5 +10,7 @@ The ``tasks`` layer owns the task registry (:mod:`~admm_dist.tasks.registry`), t
 bubblewrap's command line in :mod:`~admm_dist.tasks.bubblewrap`). It imports only
 :mod:`admm_dist.core`.
 """
-from admm_dist.tasks import chain_arith, choice, coding, reasoning, safety  # noqa: E402,F401  (they register themselves)
-from admm_dist.tasks.registry import ANSWER_TYPES, REGISTRY, TaskSpec, get, load, register, score  # noqa: F401  (the package's face)
+# the task modules register themselves; the registry's names are the package's face
+from admm_dist.tasks import chain_arith, choice, coding, reasoning, safety  # noqa: E402,F401
+from admm_dist.tasks.registry import (ANSWER_TYPES, REGISTRY, TaskSpec, get, load, register,  # noqa: F401
+                                      score)

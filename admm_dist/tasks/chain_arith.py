@@ -56,8 +56,8 @@ def split_of(item: Dict[str, object]) -> str:
 def load_chain_arith(split: str = "eval", n: Optional[int] = None, seed: int = 0,
                      path: Optional[str] = None, n_ops: int = 3) -> List[dict]:
     """``n`` (default :data:`POOL`) distinct items of ``split`` ("train" or "eval"),
-    deterministic in ``seed``; the first k items do not depend on ``n``. The question reads ``Start 12: +5 *3 -7``: compact, because the stand-in
-    backbone reads characters."""
+    deterministic in ``seed``; the first k items do not depend on ``n``. The question reads
+    ``Start 12: +5 *3 -7``: compact, because the stand-in backbone reads characters."""
     if path is not None:
         raise UserError("chain_arith is generated from its seed and reads no file: drop the path")
     n = POOL if n is None else n
@@ -142,7 +142,8 @@ def load_word_arith(split: str = "eval", n: Optional[int] = None, seed: int = 0,
     items = [it for it in _one_op_items() if split_of(it) == split]
     random.Random(f"word_arith|{seed}").shuffle(items)
     if n is not None and not 1 <= n <= len(items):
-        raise UserError(f"word_arith has {len(items)} one-operation {split} problems: ask for 1 to {len(items)}")
+        raise UserError(f"word_arith has {len(items)} one-operation {split} problems: ask for 1 to "
+                        f"{len(items)}")
     return [in_words(it) for it in items[:n]]
 
 

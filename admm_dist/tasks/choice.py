@@ -26,7 +26,8 @@ GPQA = Hub("Idavidrein/gpqa", ("gpqa_diamond",), splits=(("eval", "train"), ("tr
 ARC_EASY = Hub("allenai/ai2_arc", ("ARC-Easy",))
 ARC_CHALLENGE = Hub("allenai/ai2_arc", ("ARC-Challenge",))
 MEDQA = Hub("GBaker/MedQA-USMLE-4-options")
-WINOGRANDE = Hub("allenai/winogrande", ("winogrande_xl",), splits=(("eval", "validation"), ("train", "train")))
+WINOGRANDE = Hub("allenai/winogrande", ("winogrande_xl",),
+                 splits=(("eval", "validation"), ("train", "train")))
 
 
 def _gold_index(where: str, keys: List[str], key) -> int:
@@ -105,6 +106,7 @@ def load_winogrande(split="eval", n=None, seed=0, path=None, **kw) -> List[dict]
 
 register(TaskSpec("gpqa", "choice", load_gpqa, "graduate-level science questions, 4 options"))
 register(TaskSpec("arc_easy", "choice", load_arc_easy, "grade-school science questions, easy set"))
-register(TaskSpec("arc_challenge", "choice", load_arc_challenge, "grade-school science questions, challenge set"))
+register(TaskSpec("arc_challenge", "choice", load_arc_challenge,
+                  "grade-school science questions, challenge set"))
 register(TaskSpec("medqa", "choice", load_medqa, "USMLE-style medical questions, 4 options"))
 register(TaskSpec("winogrande", "choice", load_winogrande, "pronoun resolution, 2 options"))

@@ -103,7 +103,8 @@ def read_file(path: str) -> List[dict]:
             except json.JSONDecodeError:  # a JSONL file named .json
                 data = [json.loads(line) for line in text.splitlines() if line.strip()]
         else:
-            raise UserError(f"task file {path}: unknown format {ext or '(none)'!r}; use .json, .jsonl or .csv")
+            raise UserError(f"task file {path}: unknown format {ext or '(none)'!r}; use .json, .jsonl or "
+                            ".csv")
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise UserError(f"task file {path}: expected a list of objects (one per row)")
     return data

@@ -26,7 +26,7 @@ import json
 import os
 import re
 import shutil
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from safetensors.torch import load as st_load
@@ -58,26 +58,18 @@ def _meta_digest(meta: Mapping[str, object]) -> str:
 
 
 def save_node(root: str, k: int, node: int, tensors: Mapping[str, torch.Tensor],
-              meta: Mapping[str, object], *, hook: Optional[Callable[[str], None]] = None) -> None:
+              meta: Mapping[str, object]) -> None:
     """Write node ``node``'s checkpoint of round ``k``: tensors first, then the JSON marker that
-    carries both files' sha256. ``hook`` (tests only, :mod:`tests.faults`) is called
-    at each write point (:data:`tests.faults.POINTS`): "tensors" (nothing written yet),
-    "tensors-renaming" (the tensors' temporary written, not renamed), "tensors-written",
-    "json-renaming" (the marker's temporary written, not renamed), "json-written"."""
+    carries both files' sha256. Each is a temporary written then renamed
+    (:func:`~admm_dist.core.io.atomic_write_bytes`)."""
     folder = own_folder(round_dir(own_folder(root, "the checkpoint folder"), k), "the checkpoint folder")
     remove_orphans(folder, [node])
     data = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
     blob = st_save(data)
-    say = hook or (lambda point: None)
-    say("tensors")
-    atomic_write_bytes(os.path.join(folder, f"node-{node}.safetensors"), blob,
-                       before_rename=lambda: say("tensors-renaming"))
-    say("tensors-written")
+    atomic_write_bytes(os.path.join(folder, f"node-{node}.safetensors"), blob)
     record = dict(meta, round=k, node=node, tensors_sha256=hashlib.sha256(blob).hexdigest())
     record["meta_sha256"] = _meta_digest(record)
-    atomic_write_json(os.path.join(folder, f"node-{node}.json"), record,
-                      before_rename=lambda: say("json-renaming"))
-    say("json-written")
+    atomic_write_json(os.path.join(folder, f"node-{node}.json"), record)
 
 
 def all_rounds(root: str) -> List[int]:

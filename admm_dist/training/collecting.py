@@ -42,7 +42,8 @@ class CollectionRunner:
                  talk: Callable[[str], None]) -> None:
         self.cfg, self.ctx, self.comm, self.talk = cfg, ctx, comm, talk
         self.agent_models = None   # agent_models backbones, loaded at the first collection
-        self._generator = None     # generation_backend vllm: this rank's engine, built at the first collection
+        self._generator = None     # generation_backend vllm: this rank's engine, built at the first
+                                   # collection
 
     def check_backend(self, collecting: bool) -> None:
         """Before any weights load: a run that will roll out under ``generation_backend vllm``
@@ -93,7 +94,8 @@ class CollectionRunner:
 
 
 def record_collection(cfg: TrainConfig, f: fs.FitSet, collection: int, *, record: "RunRecord",
-                      report: "TrainReport", tracker: "Tracker", talk: Callable[[str], None], rank: int) -> None:
+                      report: "TrainReport", tracker: "Tracker", talk: Callable[[str], None],
+                      rank: int) -> None:
     """A collection's figures to the run's record, the trackers (at the round it ran after) and the
     log; rank 0 writes the first one to ``fitset_cache``."""
     stats = f.stats
@@ -128,7 +130,8 @@ def seat_states(cfg: TrainConfig, engine, vectors: Sequence[torch.Tensor]) -> Di
     return {s: every[0 if cfg.pooled else i].clone() for i, s in enumerate(seats)}
 
 
-def kl_references(cfg: TrainConfig, states: Dict[int, torch.Tensor], nodes: Sequence[int]) -> Dict[int, torch.Tensor]:
+def kl_references(cfg: TrainConfig, states: Dict[int, torch.Tensor],
+                  nodes: Sequence[int]) -> Dict[int, torch.Tensor]:
     """``kl_ref collect`` after a re-collection: {node: the state its seat collected with}."""
     seats = cfg.adapted_seats()
     return {node: states[seats[0] if cfg.pooled else seats[node]] for node in nodes}

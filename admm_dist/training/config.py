@@ -32,8 +32,8 @@ from admm_dist import tasks
 from admm_dist.data.queries import check_n_ops
 from admm_dist.core.config_file import check_ceilings, format_help, from_component, key, keys_by_fingerprint
 from admm_dist.core.constants import (DEFAULT_TIMEOUT_S, MAX_BATCH_SIZE, MAX_GOSSIP_STEPS, MAX_KV_CACHE_GIB,
-                                      MAX_LOCAL_STEPS, MAX_NODES, MAX_OPS, MAX_QUERIES, MAX_ROUNDS, MAX_SAMPLES,
-                                      MAX_TIMEOUT_S, MAX_TOKENS)
+                                      MAX_LOCAL_STEPS, MAX_NODES, MAX_OPS, MAX_QUERIES, MAX_ROUNDS,
+                                      MAX_SAMPLES, MAX_TIMEOUT_S, MAX_TOKENS)
 from admm_dist.core.errors import UserError
 from admm_dist.core.text import is_int
 from admm_dist.data.derive import FIT_FILTERS
@@ -69,17 +69,20 @@ class TrainConfig:
                     "with a pre-built --fitset_cache only a label", group=SYSTEM)
     model_name: str = key("Qwen/Qwen3-8B", "the backbone: a local folder or a hub id", group=SYSTEM)
     device: str = key("auto", f"{DEVICE_FORMS}: auto takes CUDA when present; under torchrun a rank "
-                      "given cuda or auto takes cuda:LOCAL_RANK", metavar="DEVICE", group=SYSTEM, fingerprint="ignored")
-    dtype: str = key("auto", "the backbone's weights: auto is bfloat16 on CUDA and float32 on CPU; bfloat16 on "
+                      "given cuda or auto takes cuda:LOCAL_RANK", metavar="DEVICE", group=SYSTEM,
+                      fingerprint="ignored")
+    dtype: str = key("auto",
+                     "the backbone's weights: auto is bfloat16 on CUDA and float32 on CPU; bfloat16 on "
                      "a CPU with AVX512-BF16 collects 1.3x faster (docs/benchmarks.md)", choices=DTYPES,
                      group=SYSTEM)
-    seed: int = key(42, "the run's seed: query shuffle, rollouts, minibatches and the LoRA basis", group=SYSTEM)
+    seed: int = key(42, "the run's seed: query shuffle, rollouts, minibatches and the LoRA basis",
+                    group=SYSTEM)
     n_agents: int = from_component(ChainConfig, "n_agents", group=SYSTEM)
     adapt_roles: str = key("all", "seats that carry a trainable adapter: all, nonsink (all but the last), "
                            "middle (neither the first nor the last)", choices=ROLE_SETS, group=SYSTEM)
     backend: str = key("auto", "process_group (one node per torchrun rank), local (every node in this "
-                       "process), auto (the group when torchrun started one)", choices=COMM_BACKENDS, group=SYSTEM,
-                       fingerprint="ignored")
+                       "process), auto (the group when torchrun started one)", choices=COMM_BACKENDS,
+                       group=SYSTEM, fingerprint="ignored")
     timeout_s: float = key(DEFAULT_TIMEOUT_S, "bound in seconds on every collective and wait", group=SYSTEM,
                            at_most=MAX_TIMEOUT_S, fingerprint="ignored")
 
@@ -94,7 +97,8 @@ class TrainConfig:
     think: bool = from_component(ChainConfig, "think", group=DATA)
     text_mas_context_length: Optional[int] = from_component(ChainConfig, "context_tokens", group=DATA)
     agent_models: Optional[str] = key(None, "run these seats on another backbone (a compromised agent); such "
-                                      "a seat carries no adapter", metavar="SEAT=PATH[,SEAT=PATH]", group=DATA)
+                                      "a seat carries no adapter", metavar="SEAT=PATH[,SEAT=PATH]",
+                                      group=DATA)
     anchors: int = key(32, "number of training queries", group=DATA, at_most=MAX_QUERIES)
     group: int = from_component(Collector, "group", group=DATA, at_most=MAX_SAMPLES)
     credit: str = from_component(Collector, "credit", group=DATA)
@@ -109,9 +113,11 @@ class TrainConfig:
     anchor_pass_band: Optional[str] = key(None, "keep only queries whose pass rate lies strictly inside "
                                           "(LO, HI); 0,1 keeps queries with mixed outcomes",
                                           metavar="LO,HI", group=DATA)
-    recollect_every: int = key(0, "collect again on fresh queries every N rounds, each seat under the adapter "
+    recollect_every: int = key(0,
+                               "collect again on fresh queries every N rounds, each seat under the adapter "
                                "it deploys now (the consensus z; its own node's state where consensus is "
-                               "inexact or under local_only) (0: collect once)", group=DATA, at_most=MAX_ROUNDS)
+                               "inexact or under local_only) (0: collect once)", group=DATA,
+                               at_most=MAX_ROUNDS)
     recollect_anchors: Optional[int] = key(None, "queries per re-collection (default: anchors, as the first "
                                            "collection)", metavar="N", group=DATA, at_most=MAX_QUERIES)
     downstream_seed: int = from_component(Collector, "downstream_seed", group=DATA)
@@ -123,7 +129,8 @@ class TrainConfig:
     gen_batch_size: int = from_component(ChainConfig, "batch_size", group=DATA)
     gen_chunk: int = from_component(Collector, "chunk", group=DATA, at_most=MAX_QUERIES)
     generation_backend: str = key("hf", "hf (transformers generate, seeded per row, bit for bit) or vllm "
-                                  "(a vLLM engine per rank; docs/vllm.md)", choices=GENERATION_BACKENDS, group=GEN)
+                                  "(a vLLM engine per rank; docs/vllm.md)", choices=GENERATION_BACKENDS,
+                                  group=GEN)
     vllm_max_model_len: int = key(4096, "the engine's longest prompt plus reply, in tokens", group=GEN,
                                   at_most=MAX_TOKENS, fingerprint="ignored")
     vllm_kv_cache_gib: float = key(1.0, "CPU: the KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)", group=GEN,
@@ -132,14 +139,15 @@ class TrainConfig:
                                              "trainer holds the rest", group=GEN, fingerprint="ignored")
 
     fitset_cache: Optional[str] = key(None, "the fit set: read from this file if it exists, else collected "
-                                      "on-policy and saved there", metavar="PATH", group=DATA, fingerprint="content")
+                                      "on-policy and saved there", metavar="PATH", group=DATA,
+                                      fingerprint="content")
     fit_filter: str = key("drop_unclosed_think", "what is dropped before training: none, or messages whose "
                           "<think> block never closed", choices=FIT_FILTERS, group=OBJ)
     dedup_targets: int = key(3, "at most this many examples of a node may share one target text (0: off)",
                              group=OBJ)
     dev_frac: float = key(0.0, "hold out this fraction of each seat's examples to track held-out NLL and "
-                          "write <out>-best.safetensors (0: train on all); with recollect_every, of the first "
-                          "collection's, kept for the whole run", group=HELD_OUT)
+                          "write <out>-best.safetensors (0: train on all); with recollect_every, of the "
+                          "first collection's, kept for the whole run", group=HELD_OUT)
     dev_every: int = key(1, "measure the held-out NLL every N rounds (and after the last)", group=HELD_OUT,
                          at_most=MAX_ROUNDS, fingerprint="ignored")
     partition: str = key("seat", "seat: one node per adapted seat (the paper's setting); anchor: pool the "
@@ -152,19 +160,23 @@ class TrainConfig:
     dry_run: bool = key(False, "build the fit sets and stop before any gradient step", group=DATA,
                         fingerprint="ignored")
     init_state: Optional[str] = key(None, "warm start: x^0 = z^0 = this saved adapter vector "
-                                    "(an <out>-last.safetensors)", metavar="FILE", group=DATA, fingerprint="content")
+                                    "(an <out>-last.safetensors)", metavar="FILE", group=DATA,
+                                    fingerprint="content")
 
     fit_mode: str = from_component(ObjectiveConfig, "fit_mode", group=OBJ)
     dpo_beta: float = from_component(ObjectiveConfig, "dpo_beta", group=OBJ)
     kl_beta: float = from_component(ObjectiveConfig, "kl_beta", group=OBJ)
     kl_ref: str = key("frozen", "the KL reference: frozen (the backbone, adapters off) or collect (the "
                       "policy that collected the examples: the --init_state adapter, else the backbone, for "
-                      "the first collection; each seat's state at a re-collection)", choices=KL_REFS, group=OBJ)
+                      "the first collection; each seat's state at a re-collection)", choices=KL_REFS,
+                      group=OBJ)
     no_role_balance: bool = key(False, "sample minibatches uniformly instead of balanced over a node's roles",
                                 group=OBJ)
     target_span: str = from_component(ObjectiveConfig, "target_span", group=OBJ)
-    max_target_tokens: int = from_component(ObjectiveConfig, "max_target_tokens", group=OBJ, at_most=MAX_TOKENS)
-    max_prompt_tokens: int = from_component(ObjectiveConfig, "max_prompt_tokens", group=OBJ, at_most=MAX_TOKENS)
+    max_target_tokens: int = from_component(ObjectiveConfig, "max_target_tokens", group=OBJ,
+                                            at_most=MAX_TOKENS)
+    max_prompt_tokens: int = from_component(ObjectiveConfig, "max_prompt_tokens", group=OBJ,
+                                            at_most=MAX_TOKENS)
     no_grad_checkpointing: bool = key(False, "keep activations instead of recomputing them (faster, more "
                                       "memory)", group=OBJ)
 
@@ -179,13 +191,14 @@ class TrainConfig:
     local_steps: int = key(16, "local Adam steps L per x-step", group=ADMM, at_most=MAX_LOCAL_STEPS)
     batch_size: int = key(8, "examples per local Adam step (a node with fewer repeats them)", group=ADMM,
                           at_most=MAX_BATCH_SIZE)
-    shard_backbone: bool = key(False, "shard the frozen backbone over each seat's k ranks with FSDP2 (W = k x seats): "
-                               "a rank holds 1/k of it; the numbers are the unsharded run's", group=ADMM,
-                               fingerprint="ignored")
+    shard_backbone: bool = key(False, "shard the frozen backbone over each seat's k ranks with FSDP2 "
+                               "(W = k x seats): a rank holds 1/k of it; the numbers are the unsharded run's",
+                               group=ADMM, fingerprint="ignored")
     micro_batches: int = key(1, "parts each local step's minibatch is computed in, in a fixed order: the "
                              "ranks of a seat (W = k x seats) share them, so it must be a multiple of k; "
                              "the numbers depend on it, never on W", group=ADMM, at_most=MAX_BATCH_SIZE)
-    eta: float = key(1e-3, "Adam learning rate (may change on resume=auto)", group=ADMM, fingerprint="resumable")
+    eta: float = key(1e-3, "Adam learning rate (may change on resume=auto)", group=ADMM,
+                     fingerprint="resumable")
     rho: float = from_component(ADMMConfig, "rho", group=ADMM)
     grad_clip: float = key(0.01, "clip each local step's gradient to this norm (may change on resume=auto)",
                            group=ADMM, fingerprint="resumable")
@@ -194,13 +207,14 @@ class TrainConfig:
                          "decentralized (node-based decentralized ADMM on --topology: one neighbour "
                          "exchange per round, exact; rho sets c = rho / (2 x mean degree))",
                          choices=MODES, group=ADMM)
-    topology: str = key("ring", "the graph of gossip and decentralized; grid is rows x cols, so a prime node count > 3 is "
-                        "refused; chain is a path", choices=TOPOLOGIES, group=ADMM)
+    topology: str = key("ring", "the graph of gossip and decentralized; grid is rows x cols, so a prime node "
+                        "count > 3 is refused; chain is a path", choices=TOPOLOGIES, group=ADMM)
     gossip_steps: int = key(1, "gossip mixing steps tau per z-step (consensus gossip only)", group=ADMM,
                             at_most=MAX_GOSSIP_STEPS)
-    compress: str = key("none", "z-step payload: none (fp32), int8 or fp8 (e4m3) codes (about 0.27x the bytes) or "
-                        "int4 codes (0.14x) with one fp32 scale per 64 values, of each node's change against a "
-                        "public copy (exact at convergence)", choices=COMPRESSIONS, group=ADMM)
+    compress: str = key("none",
+                        "z-step payload: none (fp32), int8 or fp8 (e4m3) codes (about 0.27x the bytes) or "
+                        "int4 codes (0.14x) with one fp32 scale per 64 values, of each node's change against "
+                        "a public copy (exact at convergence)", choices=COMPRESSIONS, group=ADMM)
     local_only: bool = from_component(ADMMConfig, "local_only", group=ADMM)
     no_dual: bool = from_component(ADMMConfig, "no_dual", group=ADMM)
     rho_adapt: bool = from_component(ADMMConfig, "rho_adapt", group=ADMM)
@@ -209,8 +223,8 @@ class TrainConfig:
 
     out: str = key("runs/admm", "the run's name: it writes <out>/, <out>-last.safetensors and <out>.ckpt/",
                    metavar="PATH", group=OUT, fingerprint="ignored")
-    report_dir: str = key("results", "folder of the training report <name>-train.json", metavar="DIR", group=OUT,
-                          fingerprint="ignored")
+    report_dir: str = key("results", "folder of the training report <name>-train.json", metavar="DIR",
+                          group=OUT, fingerprint="ignored")
     quiet: bool = key(False, "no progress bars and no per-round lines", group=OUT, fingerprint="ignored")
     checkpoint_every: int = key(1, "write a checkpoint every N rounds", group=OUT, at_most=MAX_ROUNDS,
                                 fingerprint="ignored")
@@ -218,7 +232,8 @@ class TrainConfig:
                                 fingerprint="ignored")
     resume: str = key("never", "never (a fresh run) or auto (continue from the last round every rank "
                       "completed)", choices=RESUME_MODES, group=OUT, fingerprint="ignored")
-    overwrite: bool = key(False, "a fresh run may replace the run already in --out", group=OUT, fingerprint="ignored")
+    overwrite: bool = key(False, "a fresh run may replace the run already in --out", group=OUT,
+                          fingerprint="ignored")
     max_delta_w_rel: float = key(10.0, "a result whose ||dW|| / ||W|| is above this diverged and is refused",
                                  group=OUT, fingerprint="ignored")
     export_peft: bool = key(False, "also write <out>-last-peft/, a standard PEFT adapter folder", group=OUT,
@@ -279,15 +294,15 @@ class TrainConfig:
         check_mode(self.consensus, self.topology, self.gossip_steps)
         check_compress(self.compress)
         if self.local_only and self.compress != "none":
-            raise UserError(f"compress={self.compress} has no effect under local_only (nothing is exchanged): "
-                            "drop compress= or local_only")
+            raise UserError(f"compress={self.compress} has no effect under local_only (nothing is "
+                            "exchanged): drop compress= or local_only")
         for name in ("k_outer", "local_steps", "batch_size", "micro_batches", "dev_every", "checkpoint_every",
                      "keep_checkpoints", "gossip_steps"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)}: it must be >= 1")
         if self.micro_batches > self.batch_size:
-            raise UserError(f"micro_batches={self.micro_batches} > batch_size={self.batch_size}: a part needs "
-                            "at least one example; lower micro_batches or raise batch_size")
+            raise UserError(f"micro_batches={self.micro_batches} > batch_size={self.batch_size}: a part "
+                            "needs at least one example; lower micro_batches or raise batch_size")
         self._check_paths()
         self._check_out()
         if self.overwrite and self.resume == "auto":
@@ -297,8 +312,8 @@ class TrainConfig:
             if not (math.isfinite(v) and v > 0):
                 raise UserError(f"{name}={v}: it must be a finite number > 0")
         if not 0 <= self.dev_frac < 1:
-            raise UserError(f"dev_frac={self.dev_frac}: pass a held-out fraction in [0, 1), e.g. dev_frac=0.1 "
-                            "(0 holds out nothing)")
+            raise UserError(f"dev_frac={self.dev_frac}: pass a held-out fraction in [0, 1), e.g. "
+                            "dev_frac=0.1 (0 holds out nothing)")
         if self.dedup_targets < 0:
             raise UserError(f"dedup_targets={self.dedup_targets}: use 0 (off) or a cap >= 1")
         if self.pooled and self.partition == "anchor":
@@ -314,7 +329,8 @@ class TrainConfig:
                 continue
             bad = next((c for c in value if unicodedata.category(c) == "Cc"), None)
             if bad is not None:
-                raise UserError(f"{name}={value!r} holds the control character {bad!r}: give the path without it")
+                raise UserError(f"{name}={value!r} holds the control character {bad!r}: give the path "
+                                "without it")
             if value != value.strip():
                 raise UserError(f"{name}={value!r} starts or ends with a space: give the path without it")
 
@@ -323,8 +339,8 @@ class TrainConfig:
         slash is dropped."""
         out = str(self.out).rstrip("/")
         if not out or os.path.basename(out) in (".", ".."):
-            raise UserError(f"out={self.out!r}: name the run, e.g. out=runs/ring (its files go to runs/ring/, "
-                            "runs/ring-last.safetensors and runs/ring.ckpt/)")
+            raise UserError(f"out={self.out!r}: name the run, e.g. out=runs/ring (its files go to "
+                            "runs/ring/, runs/ring-last.safetensors and runs/ring.ckpt/)")
         if not str(self.report_dir).strip():
             raise UserError("report_dir='': name a folder for the training report, e.g. report_dir=results")
         # Identity: two names of one folder are one run (locks, the "holds another run" check,

@@ -35,10 +35,8 @@ class LocalSteps:
         if cfg.micro_batches > 1:
             seat.check(cfg.micro_batches)
 
-    def run(self, st: "NodeState", x: torch.Tensor, centre: Optional[torch.Tensor], rho: float, *,
-            poisoned: bool = False) -> float:
-        """x := the x-step's result from x, centre = z_i - u_i; the mean loss of its steps.
-        ``poisoned`` (a test's fault plan) makes every step's loss NaN."""
+    def run(self, st: "NodeState", x: torch.Tensor, centre: Optional[torch.Tensor], rho: float) -> float:
+        """x := the x-step's result from x, centre = z_i - u_i; the mean loss of its steps."""
         cfg, ad = self.cfg, self.adapter
         if st.sampler is None:
             # f_i = 0: the x-step's exact minimizer of rho/2 ||x - (z_i - u_i)||^2
@@ -50,7 +48,6 @@ class LocalSteps:
         total = 0.0
         for _ in range(cfg.local_steps):
             value = self.gradient(st, st.sampler.next_batch())
-            value = float("nan") if poisoned else value
             total += value
             if not math.isfinite(value):
                 break  # every rank stops at this round's telemetry, with the node named

@@ -62,7 +62,8 @@ def refusal(cfg: TrainConfig, dw: Sequence[float], node_sizes: Optional[Sequence
     should = [i for i, d in enumerate(dw) if not (cfg.local_only and sizes[i] == 0)]
     still = [i for i in should if not (math.isfinite(dw[i]) and dw[i] >= 1e-6)]
     if not should:
-        return f"refusing to write {cfg.out}: no node had examples to train on, so none moved: check the fit set{kept}"
+        return (f"refusing to write {cfg.out}: no node had examples to train on, so none moved: check the "
+                f"fit set{kept}")
     if still:
         return (f"refusing to write {cfg.out}: the adapter of node(s) {still} did not move "
                 f"(delta_w_rel={list(dw)}); raise --eta or --k_outer{kept}")
@@ -140,7 +141,8 @@ class RunOutputs:
             for path in stale:
                 os.unlink(path)
             if stale:
-                self.talk(f"overwrite: removed {len(stale)} TensorBoard event file(s) in {self.tracking_folder()}")
+                self.talk(f"overwrite: removed {len(stale)} TensorBoard event file(s) in "
+                          f"{self.tracking_folder()}")
             for kind in ("refused", "preempted", "dryrun"):
                 if os.path.isfile(self.report_path(kind)):
                     os.unlink(self.report_path(kind))
@@ -156,7 +158,8 @@ class RunOutputs:
                     owner = json.load(fh).get("out_path")
             except (OSError, ValueError, AttributeError):
                 continue
-            if isinstance(owner, str) and os.path.realpath(owner) != mine:   # two names of one folder: one run
+            # two names of one folder: one run
+            if isinstance(owner, str) and os.path.realpath(owner) != mine:
                 return f"{path} (out={owner})"
         return None
 
@@ -183,7 +186,8 @@ class RunOutputs:
             if not os.path.isdir(here):
                 return f"{what} {folder} cannot be created: {here} is a file; choose another {fix}"
             if not os.access(here, os.W_OK | os.X_OK):
-                return f"cannot write to {what} {folder} ({here} is read-only or not ours): choose a writable {fix}"
+                return (f"cannot write to {what} {folder} ({here} is read-only or not ours): choose a "
+                        f"writable {fix}")
         for path, kind in ((out + "-last.safetensors", "file"), (out + "-best.safetensors", "file"),
                            (out + "-last-peft", "folder")):
             if os.path.exists(path) and (os.path.isdir(path) != (kind == "folder")):
@@ -204,7 +208,8 @@ class RunOutputs:
         if cfg.resume == "auto" and results and not rounds:
             return (f"out={out} holds the results of a finished run ({results[0]}) and no checkpoints to "
                     "resume: replace it with overwrite=true, or choose a new out=")
-        if cfg.resume == "never" and "tensorboard" in self.tracking.active and event_files(self.tracking_folder()):
+        if (cfg.resume == "never" and "tensorboard" in self.tracking.active
+                and event_files(self.tracking_folder())):
             return (f"tracking_dir {self.tracking_folder()} holds another run's TensorBoard events: replace "
                     "them with overwrite=true, or choose a new out= or tracking_dir=")
         return None

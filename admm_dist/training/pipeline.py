@@ -47,8 +47,9 @@ def needs_collection(cfg: TrainConfig) -> bool:
         raise UserError("no fit set: pass --fitset_cache PATH (a file written by admm_dist.data.fitset, "
                         "tools/build_fitset or an earlier collection), or --task NAME to collect on-policy")
     if cfg.reward == "judge":
-        raise UserError(f"--reward judge needs a judged fit set and {cfg.fitset_cache or 'no --fitset_cache'} "
-                        "does not exist: build it with admm_dist.cli.build_fitset + judge_fitset")
+        raise UserError("--reward judge needs a judged fit set and "
+                        f"{cfg.fitset_cache or 'no --fitset_cache'} does not exist: build it with "
+                        "admm_dist.cli.build_fitset + judge_fitset")
     tasks.get(cfg.task)
     return True
 
@@ -64,7 +65,8 @@ def read_fitset(cfg: TrainConfig, report: TrainReport, record: RunRecord) -> fs.
                                 ignore=("fit_mode", "sampling_structure", "judge", "judge_fingerprint"))
     if cfg.reward == "judge" and f.settings.get("sampling_structure") == "actual_trajectory" \
             and not f.settings.get("judge_fingerprint"):
-        raise UserError(f"{cfg.fitset_cache} carries no judge labels: run admm_dist.cli.judge_fitset on it first")
+        raise UserError(f"{cfg.fitset_cache} carries no judge labels: run admm_dist.cli.judge_fitset on it "
+                        "first")
     if diff:
         raise UserError(f"--fitset_cache {cfg.fitset_cache} was built with different settings "
                         f"(file, requested): {diff}; collect again (remove the file) or match them")
@@ -94,9 +96,9 @@ def shard(cfg: TrainConfig, f: fs.FitSet, nodes: Sequence[int], report: TrainRep
         report.dropped_unclosed_think = dropped
     outside = sorted({e.seat for e in examples if not 0 <= e.seat < cfg.n_agents})
     if outside:
-        raise UserError(f"{cfg.fitset_cache or 'the fit set'} holds examples of seat(s) {outside}, outside the "
-                        f"chain of n_agents={cfg.n_agents} seats (0..{cfg.n_agents - 1}): rebuild it for this "
-                        "chain, or set n_agents to the chain it was built for")
+        raise UserError(f"{cfg.fitset_cache or 'the fit set'} holds examples of seat(s) {outside}, outside "
+                        f"the chain of n_agents={cfg.n_agents} seats (0..{cfg.n_agents - 1}): rebuild it for "
+                        "this chain, or set n_agents to the chain it was built for")
     others = sum(1 for e in examples if e.seat not in seats)
     if others:   # seats this run does not adapt (adapt_roles): documented, and said once
         report.dropped_unadapted_seats = others

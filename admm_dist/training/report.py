@@ -59,7 +59,8 @@ class TrainReport:
     comm_bytes_per_round_per_node: List[List[int]] = UNSET
     backend: str = UNSET                           # the communicator's class
     placement: List[List[int]] = UNSET             # the nodes of each rank, in rank order
-    memory: Dict[str, List[int]] = UNSET            # per rank: backbone and adapter bytes held, peak RSS at start
+    memory: Dict[str, List[int]] = UNSET            # per rank: backbone and adapter bytes held, peak RSS
+                                                    # at start
     bytes_per_rank: Dict[str, Dict[str, List[int]]] = UNSET   # phase -> sent/recv -> per rank, the whole run
     train_sec: float = UNSET
     delta_w_rel: Any = UNSET                       # float, or one per node when deployed locally

@@ -30,7 +30,6 @@ BEST_Z = "best_z"
 if TYPE_CHECKING:
     from admm_dist.engine.admm import ADMMEngine
     from admm_dist.engine.control import Control
-    from tests.faults import FaultPlan
 
 
 @dataclasses.dataclass
@@ -59,8 +58,7 @@ class Checkpointed:
 
 
 def save_round(root: str, run: Checkpointed, control: "Control", *, fingerprint: str, identity: Mapping[str, Any],
-               resumable: Mapping[str, float], keep: int, faults: Optional["FaultPlan"] = None,
-               writer: bool = True) -> None:
+               resumable: Mapping[str, float], keep: int, writer: bool = True) -> None:
     """Every node of this rank writes round ``engine.round``; then the ranks agree on the newest
     round all of them completed, and only then prune to ``keep`` rounds up to it. A rank that is
     not its seat group's leader (``writer`` false) writes nothing and only takes part in that
@@ -80,8 +78,7 @@ def save_round(root: str, run: Checkpointed, control: "Control", *, fingerprint:
         meta.update(fingerprint=fingerprint, resumable=dict(resumable),
                     identity=dict(identity),   # what the fingerprint hashes: a refused resume names the difference
                     previous=before[-1] if before else 0)   # every node must hold it or this one
-        ckpt.save_node(root, k, node, tensors, meta,   # faults: tests only, a kill inside this write
-                       hook=None if faults is None else (lambda point, n=node: faults.in_checkpoint(k, n, point)))
+        ckpt.save_node(root, k, node, tensors, meta)
     mine = ckpt.completed_rounds(root, nodes, fingerprint)
     ckpt.prune(root, nodes, keep, fingerprint, upto=control.min(mine[-1] if mine else 0))
 

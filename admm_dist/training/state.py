@@ -61,7 +61,8 @@ class RunRecord:
         self.dev_curve.append({"round": round_, "dev_nll": dev_nll})
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"collections": [dict(c) for c in self.collections], "anchor_keys_all": list(self.anchor_keys_all),
+        return {"collections": [dict(c) for c in self.collections],
+                "anchor_keys_all": list(self.anchor_keys_all),
                 "dev_curve": [dict(p) for p in self.dev_curve]}
 
     def load_state_dict(self, state: Mapping[str, Any], *, before_collection: Optional[int] = None) -> None:

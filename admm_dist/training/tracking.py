@@ -123,7 +123,8 @@ def remove_event_files(folder: str) -> None:
             pass
         except OSError as exc:
             raise UserError(f"cannot remove the earlier TensorBoard events in tracking_dir {folder}: "
-                            f"{exc.strerror or exc} ({path}); remove them, or choose another tracking_dir=") from None
+                            f"{exc.strerror or exc} ({path}); remove them, or choose another "
+                            "tracking_dir=") from None
 
 
 # ----------------------------------------------------------------------------- the figures
@@ -135,7 +136,8 @@ def round_scalars(rec: "RoundRecord", *, telemetry_sent: int, telemetry_recv: in
                 ("primal_residual_normalized", rec.primal_normalized), ("dual_residual", rec.dual),
                 ("bytes_sent/consensus", rec.bytes_sent), ("bytes_recv/consensus", rec.bytes_recv),
                 ("bytes_in_process/consensus", rec.bytes_in_process),
-                ("seconds/x_step", rec.sec_x), ("seconds/z_step", rec.sec_z), ("seconds/other", rec.sec_other))
+                ("seconds/x_step", rec.sec_x), ("seconds/z_step", rec.sec_z),
+                ("seconds/other", rec.sec_other))
     for tag, values in per_node:
         out.update({f"{tag}/node_{i}": float(v) for i, v in enumerate(values)})
     out.update({"bytes_sent/telemetry": float(telemetry_sent), "bytes_recv/telemetry": float(telemetry_recv),
@@ -209,17 +211,19 @@ class TensorBoardWriter:
 
     def _fail(self, exc: OSError) -> None:
         self.close()
-        raise UserError(f"cannot write TensorBoard events to tracking_dir {self.folder}: {exc.strerror or exc} "
-                        "(check its free space and permissions, choose another tracking_dir=, or drop "
-                        "tensorboard from report_to)") from None
+        raise UserError(f"cannot write TensorBoard events to tracking_dir {self.folder}: "
+                        f"{exc.strerror or exc} (check its free space and permissions, choose another "
+                        "tracking_dir=, or drop tensorboard from report_to)") from None
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         if self.fh is None:
-            raise UserError(f"cannot write TensorBoard events to tracking_dir {self.folder}: the writer is closed")
+            raise UserError(f"cannot write TensorBoard events to tracking_dir {self.folder}: the writer is "
+                            "closed")
         values = [self.Summary.Value(tag=tag, simple_value=float(v)) for tag, v in scalars.items()]
         try:
             if os.fstat(self.fh.fileno()).st_nlink == 0:     # writes to a removed file would vanish
-                raise FileNotFoundError(errno.ENOENT, f"its event file {self.path} was removed during the run")
+                raise FileNotFoundError(errno.ENOENT,
+                                        f"its event file {self.path} was removed during the run")
             self._write(self.Event(wall_time=time.time(), step=int(step), summary=self.Summary(value=values)))
             self.fh.flush()
         except OSError as exc:

@@ -23,7 +23,7 @@ import os
 import random
 import resource
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -35,7 +35,7 @@ from admm_dist.data.sampler import RoleBalancedSampler
 from admm_dist.engine.admm import ADMMEngine, RoundRecord
 from admm_dist.engine.comm import CONSENSUS, IN_PROCESS, TELEMETRY, Communicator, make_communicator
 from admm_dist.engine.control import Control, control_for
-from admm_dist.engine.dist import DistContext, seat_groups
+from admm_dist.engine.dist import DistContext, RankMesh, build_mesh
 from admm_dist.engine.placement import Placement
 from admm_dist.engine.preemption import Preempted, PreemptionFlag, agree
 from admm_dist.engine.seat_group import SEAT, SeatGroup, check_micro_batches
@@ -60,16 +60,12 @@ from admm_dist.training.report import TrainReport
 from admm_dist.training.state import BestRound, NodeState, RunRecord
 from admm_dist.training.tracking import Tracker, final_scalars, round_scalars
 
-if TYPE_CHECKING:
-    from tests.faults import FaultPlan
 
-
-def build_communicator(cfg: TrainConfig, ctx: DistContext, placement: Placement) -> Tuple[Communicator, SeatGroup]:
-    """The communicator of this launch and this rank's seat group: a block of nodes per rank
-    under torchrun (W <= N), or k ranks per node (W = k x N, the leaders carrying the consensus);
-    all nodes in one process otherwise (``placement`` has refused any other W)."""
+def build_communicator(cfg: TrainConfig, ctx: DistContext, placement: Placement) -> Tuple[Communicator, RankMesh]:
+    """The communicator of this launch and where this rank sits: a block of nodes per rank under
+    torchrun (W <= N), or k ranks per node (W = k x N, the leaders carrying the consensus); all
+    nodes in one process otherwise (``placement`` has refused any other W)."""
     n, k = cfg.n_nodes(), placement.k
-    seat, leaders = SeatGroup(), None
     if ctx.env.is_distributed:
         if cfg.backend == "local":
             raise UserError("--backend local runs every node in one process: launch it "
@@ -80,15 +76,16 @@ def build_communicator(cfg: TrainConfig, ctx: DistContext, placement: Placement)
                 raise UserError("shard_backbone=true with on-policy collection: the ranks of a seat generate "
                                 "different rollouts, which a sharded backbone cannot serve; collect without it "
                                 "(drop shard_backbone=) or train from a fit set (fitset_cache=)")
-            seat, leaders = seat_groups(placement, ctx.timeout)
         backend = "process_group"
     else:
         if cfg.backend == "process_group":
             raise UserError("--backend process_group needs torchrun: torchrun "
                             f"--nproc_per_node {n} -m admm_dist.train ...")
         backend = "local"
+    mesh = build_mesh(placement, ctx)
     return make_communicator(cfg.consensus, n_nodes=n, topology=cfg.topology, gossip_steps=cfg.gossip_steps,
-                             timeout=ctx.timeout, backend=backend, compress=cfg.compress, group=leaders, k=k), seat
+                             timeout=ctx.timeout, backend=backend, compress=cfg.compress,
+                             group=mesh.across), mesh
 
 
 class Trainer:
@@ -113,10 +110,9 @@ class Trainer:
     local_steps: LocalSteps                 # the nodes' x-steps (made by setup(), with the model)
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, log: Callable[[str], None] = progress.say,
-                 preempt: Optional[PreemptionFlag] = None, faults: Optional["FaultPlan"] = None):
+                 preempt: Optional[PreemptionFlag] = None):
         self.cfg = cfg
         self.preempt = preempt   # None: train() notes SIGUSR2 itself while it runs
-        self.faults = faults     # test-only fault injection (tests.faults)
         self.ctx = ctx
         self.rank = ctx.rank
         self.show = not cfg.quiet and ctx.rank == 0    # progress bars and log lines
@@ -140,7 +136,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.placement = Placement(cfg.n_nodes(), self.ctx.world_size)   # refuses a W it cannot place
-        self.comm, self.seat = build_communicator(self.cfg, self.ctx, self.placement)
+        self.comm, self.mesh = build_communicator(self.cfg, self.ctx, self.placement)
+        self.seat = self.mesh.seat
         self.control = control_for(self.ctx, self.placement.rank_blocks())
         if self.ctx.env.is_distributed:
             self.talk(f"placement: {self.placement.describe()}")
@@ -183,7 +180,7 @@ class Trainer:
     def load_backbone(self):
         """The backbone and tokenizer in the run's ``dtype``, through the one loader; with
         ``shard_backbone`` each rank of a seat reads only its shard (:mod:`admm_dist.model.sharding`)."""
-        shard = self.seat.group if self.cfg.shard_backbone and self.seat.k > 1 else None
+        shard = self.mesh.shard if self.cfg.shard_backbone else None   # FSDP2's mesh: the seat group
         model, tok = load_model(self.cfg.model_name, self.ctx.device, shard_over=shard, dtype=self.cfg.dtype)
         model.config.use_cache = False
         return model, tok
@@ -274,8 +271,7 @@ class Trainer:
     # ------------------------------------------------------------------ x-step
     def xstep(self, node: int, x: torch.Tensor, centre: Optional[torch.Tensor], rho: float) -> float:
         """``local_steps`` Adam steps on f_i(x) + rho/2 ||x - centre||^2, centre = z_i - u_i."""
-        poisoned = self.faults is not None and self.faults.poison(self.engine.round, node)
-        return self.local_steps.run(self.state[node], x, centre, rho, poisoned=poisoned)
+        return self.local_steps.run(self.state[node], x, centre, rho)
 
     # ------------------------------------------------------------------ rounds
     def train(self) -> Dict[str, object]:
@@ -336,8 +332,6 @@ class Trainer:
                     self.report.preempted_after_round = self.engine.round
                     self.outputs.write_report(self.reported(), "preempted")
                     raise Preempted(self.engine.round)
-                if self.faults is not None:
-                    self.faults.after_round(self.engine.round, self.nodes)
         return self.finish()   # a warning from here on is ignored: the run is finishing
 
     def agree_preempt(self) -> bool:
@@ -390,7 +384,7 @@ class Trainer:
     def checkpoint(self, root: str) -> None:
         resume.save_round(root, self.checkpointed(), self.control, fingerprint=self.fingerprint,
                           identity=self.identity, resumable={k: getattr(self.cfg, k) for k in RESUMABLE},
-                          keep=self.cfg.keep_checkpoints, faults=self.faults, writer=self.seat.leads)
+                          keep=self.cfg.keep_checkpoints, writer=self.seat.leads)
 
     def try_resume(self) -> None:
         agreed = resume.agreed_round(self.cfg, self.control, self.nodes, self.fingerprint, self.identity,

@@ -5,7 +5,7 @@ import torch
 
 from admm_dist.core.errors import UserError
 from admm_dist.engine.comm import LocalCommunicator
-from admm_dist.engine.codec import BLOCK, Codec, check_compress, decode_, encode, payload_bytes
+from admm_dist.engine.codec import BLOCK, check_compress, codec, decode_, encode, payload_bytes
 from admm_dist.engine.lsq import LeastSquares, solve
 
 
@@ -42,7 +42,7 @@ def test_a_payload_cut_at_block_boundaries_is_the_payloads_of_its_pieces(compres
     """What lets the transport encode, send and decode a message piece by piece: every cut at a
     block boundary codes its values exactly as the whole does, and the sender's public copy
     moves by exactly what a receiver decodes."""
-    c = Codec(compress)
+    c = codec(compress)
     g = torch.Generator().manual_seed(p)
     v, h = torch.randn(p, generator=g), torch.randn(p, generator=g) * 0.1
     whole = encode(v - h, compress)
@@ -103,3 +103,16 @@ def test_the_public_copies_are_per_node_state_that_restores_the_run(compress):
     again.load_state_dict(state)
     again.run(p.exact_xstep(), 30)
     assert all(torch.equal(a, b) for a, b in zip(again.x, whole.x))
+
+
+def test_the_formats_are_registered_once_and_every_user_has_a_codec_of_its_own():
+    """COMPRESSIONS (and so every compress option) follow the one registry, and a codec, whose
+    scratch buffers change on every call, is never shared: each algorithm makes its own."""
+    from admm_dist.engine import codec as codecs
+
+    assert codecs.COMPRESSIONS == ("none", *codecs.FORMATS)
+    assert all(codec(name).name == name for name in codecs.FORMATS if check_compress(name))
+    a, b = (LocalCommunicator(mode="ring", n_nodes=3, compress="int8") for _ in range(2))
+    assert a.algorithm.codec is not b.algorithm.codec
+    assert not any(isinstance(v, (dict, codecs.Codec)) and v for k, v in vars(codecs).items()
+                   if not k.isupper() and not k.startswith("__"))   # no module-level cache of codecs

@@ -2,7 +2,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from admm_dist.engine.dist import DistConfigError, backend_for, distributed, read_env, resolve_device
+from admm_dist.engine.dist import backend_for, distributed, resolve_device
+from admm_dist.engine.env import DistConfigError, read_env
 from admm_dist.bench.launcher import launch_cpu
 
 
@@ -210,7 +211,7 @@ def _a_bug_then_a_peer_that_leaves(rank, port, out):
 def test_a_collective_whose_peer_left_leaves_distributed_as_one_line_and_a_bug_as_itself():
     import datetime
 
-    from admm_dist.engine.dist import DistEnv
+    from admm_dist.engine.env import DistEnv
     from admm_dist.engine.job import FirstFailure
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=20))

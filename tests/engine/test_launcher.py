@@ -13,7 +13,8 @@ import time
 import torch.distributed as dist
 
 from admm_dist.bench import launcher
-from admm_dist.engine.dist import DistEnv, distributed
+from admm_dist.engine.dist import distributed
+from admm_dist.engine.env import DistEnv
 from admm_dist.bench.launcher import launch_cpu
 
 

@@ -121,14 +121,15 @@ def _lsq(comm, seat, n):
 
 def _seat_groups(ctx):
     from admm_dist.engine.comm import make_communicator
-    from admm_dist.engine.dist import seat_groups
+    from admm_dist.engine.dist import build_mesh
 
     placement = Placement(4, ctx.world_size)
-    seat, leaders = seat_groups(placement, ctx.timeout)
+    mesh = build_mesh(placement, ctx)
+    seat = mesh.seat
     out = {}
     for mode, topology, compress in MODES:
         comm = make_communicator(mode, n_nodes=4, topology=topology, compress=compress, timeout=ctx.timeout,
-                                 group=leaders, k=placement.k)
+                                 group=mesh.across)
         out[(mode, compress)] = (list(comm.nodes), seat.leads) + _lsq(comm, seat, 4)
     return out
 
@@ -159,12 +160,13 @@ def _seat_wire(ctx, p):
     broadcast of z to its group) and the meter's count of it, summed over ranks."""
     from admm_dist.bench.comm_wire import interface_tx_bytes
     from admm_dist.engine.comm import CONSENSUS, make_communicator
-    from admm_dist.engine.dist import seat_groups
+    from admm_dist.engine.dist import build_mesh
     from admm_dist.engine.seat_group import SEAT
 
     placement = Placement(2, ctx.world_size)
-    seat, leaders = seat_groups(placement, ctx.timeout)
-    comm = make_communicator("ring", n_nodes=2, timeout=ctx.timeout, group=leaders, k=placement.k)
+    mesh = build_mesh(placement, ctx)
+    seat = mesh.seat
+    comm = make_communicator("ring", n_nodes=2, timeout=ctx.timeout, group=mesh.across)
     v = torch.randn(p, generator=torch.Generator().manual_seed(ctx.rank))
 
     def round_():

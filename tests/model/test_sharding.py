@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from safetensors.torch import load_file, save_file
 
 from admm_dist.core.errors import UserError
@@ -47,9 +48,9 @@ def _copy(tiny, tmp_path, name="m"):
 
 @pytest.fixture
 def one_rank():
-    """A 1-rank gloo process group in this process (load_sharded's group), removed afterwards."""
+    """A 1-rank gloo process group in this process, as load_sharded's 1-D mesh; removed afterwards."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
+    yield DeviceMesh.from_group(dist.group.WORLD, "cpu")
     dist.destroy_process_group()
 
 
@@ -113,7 +114,7 @@ def _examples(tok, n=11):
 def _check_sharded(ctx, folder):
     cpu = torch.device("cpu")
     group = dist.group.WORLD
-    sharded, tok = load_model(folder, cpu, shard_over=group)
+    sharded, tok = load_model(folder, cpu, shard_over=DeviceMesh.from_group(group, "cpu"))
     plain, _ = load_model(folder, cpu)
     full = dict(plain.named_parameters())
     rank = dist.get_rank()

@@ -373,14 +373,12 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(assets, tmp_path, capsy
     assert _run(capsys, assets, tmp_path, k_outer=3, resume="auto")[0] == 0
 
 
-def test_eta_and_grad_clip_may_change_on_resume_as_the_non_finite_error_advises(assets, tmp_path, capsys,
-                                                                                  monkeypatch):
+def test_eta_and_grad_clip_may_change_on_resume_as_the_non_finite_error_advises(assets, tmp_path, capsys):
     import faults
-    monkeypatch.setenv(faults.ENV, "nan@3:0")
-    rc, err = _run(capsys, assets, tmp_path, k_outer=4)
+    with faults.armed("nan@3:0"):
+        rc, err = _run(capsys, assets, tmp_path, k_outer=4)
     assert rc == 1 and len(err) == 1 and "round 3: non-finite" in err[0], err
     assert "resume=auto and a lower eta= or grad_clip=" in err[0]
-    monkeypatch.delenv(faults.ENV)
     rc, err = _run(capsys, assets, tmp_path, k_outer=4, resume="auto", eta=0.01, grad_clip=0.5)
     assert rc == 0, err
     report = json.loads(_bytes(tmp_path / "reports" / "run-train.json"))

@@ -282,7 +282,8 @@ def test_local_only_with_an_empty_seat_writes_the_seats_that_moved(assets, tmp_p
     assert torch.count_nonzero(x2) == 0
     # a coupled run with the same empty seat still moves it (it follows the consensus); its
     # round lines show its f as "-", not a measured 0.0, after one note saying why
-    from admm_dist.engine.dist import distributed, read_env
+    from admm_dist.engine.dist import distributed
+    from admm_dist.engine.env import read_env
 
     lines = []
     with distributed("cpu", env=read_env({})) as ctx:

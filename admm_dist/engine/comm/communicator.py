@@ -1,4 +1,4 @@
-"""The communicator the ADMM engine talks to: every consensus algorithm, written once.
+"""The communicator the ADMM engine talks to: a transport, and the consensus algorithm it runs.
 
 A communicator owns a set of *nodes* (training seats): a block of them per rank under torchrun,
 all of them in one process otherwise; the engine hands it one flat vector per node and never
@@ -7,6 +7,11 @@ process sums its nodes in node order, one sum over the ranks, then / N); ``ring`
 mean as a chunked ring all-reduce; ``gossip`` by ``tau`` Metropolis mixing steps;
 ``decentralized`` by one step of v_i <- (v_i + mean_{j in N_i} v_j) / 2 (fed x:
 :mod:`admm_dist.engine.admm`); with ``compress``, by their compressed variants (:mod:`~.compressed`).
+
+The algorithm is an object of its own (:mod:`~.algorithm`), picked once from (mode, compress)
+in :data:`ALGORITHMS`; it owns its per-node state (checkpointed: :meth:`Communicator.node_state`),
+its scratch and its codec. The communicator keeps what is the transport's: where the nodes live,
+the moves of messages, the landing buffers of hops from other ranks, and the meter.
 
 Each algorithm is a schedule of node-to-node messages (:class:`Hop`) over all N nodes. The
 transport (:meth:`Communicator.relay`, :meth:`Communicator.exchange`) moves the hops that touch
@@ -23,17 +28,27 @@ import collections
 import itertools
 import re
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 
 from admm_dist.core.errors import RunError, UserError
-from admm_dist.engine.comm import compressed
 from admm_dist.engine.codec import check_compress
-from admm_dist.engine.comm.meter import CONSENSUS, IN_PROCESS, TELEMETRY, ByteMeter, chunk_bounds, ring_bytes_per_rank
+from admm_dist.engine.comm.algorithm import Algorithm
+from admm_dist.engine.comm.compressed import CompressedMean, CompressedMixing
+from admm_dist.engine.comm.exact import AllReduceMean, RingMean
+from admm_dist.engine.comm.meter import CONSENSUS, IN_PROCESS, TELEMETRY, ByteMeter, ring_bytes_per_rank
+from admm_dist.engine.comm.mixing import Mixing
 from admm_dist.engine.comm.schedule import Hop, Step, pieces
-from admm_dist.engine.comm.topology import (DECENTRALIZED, MIXING, check_mode, half_mean_weights,
-                                             metropolis_weights, neighbours)
+from admm_dist.engine.comm.topology import MIXING, check_mode, graph
+
+# The consensus algorithm of each (mode, compressed?): the one place a communicator picks it.
+ALGORITHMS: Dict[Tuple[str, bool], Type[Algorithm]] = {
+    ("coordinator", False): AllReduceMean, ("ring", False): RingMean,
+    ("gossip", False): Mixing, ("decentralized", False): Mixing,
+    ("coordinator", True): CompressedMean, ("ring", True): CompressedMean,
+    ("gossip", True): CompressedMixing, ("decentralized", True): CompressedMixing,
+}
 
 
 class CommError(RunError):
@@ -68,16 +83,17 @@ def wait_all(works: Sequence, timeout, what: str, rank: int) -> None:
 
 
 class Communicator(abc.ABC):
-    """Exchanges flat vectors between the N nodes of one ADMM problem; the subclasses are the
-    transports (:class:`~.local.LocalCommunicator`, :class:`~.process_group.ProcessGroupCommunicator`)."""
+    """Exchanges flat vectors between the N nodes of one ADMM problem by its algorithm
+    (:attr:`algorithm`); the subclasses are the transports (:class:`~.local.LocalCommunicator`,
+    :class:`~.process_group.ProcessGroupCommunicator`)."""
 
-    def __init__(self, *, mode: str, n_nodes: int, blocks: Sequence[range], rank: int, topology: str = "ring",
-                 gossip_steps: int = 1, meter: Optional[ByteMeter] = None, compress: str = "none") -> None:
+    def __init__(self, *, mode: str, n_nodes: int, blocks: Sequence[range], rank: int,
+                 topology: str = "ring", gossip_steps: int = 1, meter: Optional[ByteMeter] = None,
+                 compress: str = "none") -> None:
         check_mode(mode, topology, gossip_steps)
         if n_nodes < 1:
             raise UserError(f"n_nodes={n_nodes}: a consensus problem needs at least one node")
         self.compress = check_compress(compress)
-        self.compress_state: Dict[int, Dict[str, torch.Tensor]] = {}   # per node: compressed.py's public copies
         self.mode = mode
         self.n_nodes = int(n_nodes)
         self.blocks, self.rank = list(blocks), rank   # the nodes of each rank, in rank order; this rank
@@ -86,9 +102,11 @@ class Communicator(abc.ABC):
         self.topology = topology
         self.gossip_steps = int(gossip_steps)
         self.meter = meter if meter is not None else ByteMeter()
-        self.neighbours: List[List[int]] = neighbours(topology, self.n_nodes)
-        self.weights = (half_mean_weights if mode == DECENTRALIZED else metropolis_weights)(self.neighbours)
-        self._scratch: Dict[object, torch.Tensor] = {}
+        self.graph = graph(mode, topology, self.n_nodes, self.gossip_steps)
+        self.neighbours: List[List[int]] = self.graph.neighbours
+        self.weights = self.graph.weights
+        self.algorithm: Algorithm = ALGORITHMS[(mode, compress != "none")](self.graph, compress)
+        self._landing: Dict[object, torch.Tensor] = {}   # where hops from other ranks land
 
     # -- placement ------------------------------------------------------------------------
     def rank_blocks(self) -> List[range]:
@@ -107,13 +125,7 @@ class Communicator(abc.ABC):
     # -- bytes ------------------------------------------------------------------------------
     def analytic_bytes(self, numel: int, node: int, itemsize: int = 4) -> int:
         """Bytes ``node`` sends in one consensus_ of ``numel`` items (ring convention for all_reduce)."""
-        if self.n_nodes == 1:
-            return 0
-        if self.compress != "none":
-            return compressed.bytes_sent(self, numel, node)
-        if self.mode in MIXING:
-            return self.gossip_steps * len(self.neighbours[node]) * numel * itemsize
-        return ring_bytes_per_rank(numel, self.n_nodes, node, itemsize)
+        return 0 if self.n_nodes == 1 else self.algorithm.bytes_sent(numel, node, itemsize)
 
     def ring_convention(self, numel: int, node: int, itemsize: int = 4) -> dict:
         """What a ring all-reduce would send from ``node`` and deliver to it (from its left)."""
@@ -121,19 +133,22 @@ class Communicator(abc.ABC):
         return {"sent": ring_bytes_per_rank(numel, n, node, itemsize),
                 "recv": ring_bytes_per_rank(numel, n, (node - 1) % n, itemsize)}
 
-    # -- per-node state of compressed consensus (checkpointed with the node) -----------------
+    # -- the algorithm's per-node state (checkpointed with the node) ---------------------------
     def node_state(self, node: int) -> Dict[str, torch.Tensor]:
-        return dict(self.compress_state.get(node, {}))
+        """What the algorithm keeps of ``node`` between calls (compressed consensus: its public
+        copies, ``hat.<j>`` or ``h``, ``zhat``, ``H``); empty for fp32 consensus."""
+        return self.algorithm.state(node)
 
     def load_node_state(self, node: int, tensors: Dict[str, torch.Tensor]) -> None:
-        self.compress_state[node] = {k: t.detach().clone() for k, t in tensors.items()}
+        self.algorithm.load_state(node, tensors)
 
     # -- the transport --------------------------------------------------------------------
     def exchange(self, hops: Sequence[Hop], what: str) -> Dict[Tuple[int, int], torch.Tensor]:
         """Move the hops that touch this process (a relay of one step; every hop of one length).
         Returns, per hop into one of its nodes, keyed (src, dst), the sender's own tensor (no copy)
         or ``into``."""
-        self.relay([Step(hops)], what, max((t.nbytes for h in hops for t in (h.data, h.into) if t is not None), default=0))
+        size = max((t.nbytes for h in hops for t in (h.data, h.into) if t is not None), default=0)
+        self.relay([Step(hops)], what, size)
         return {(h.src, h.dst): h.data if self.mine(h.src) else h.into for h in hops if self.mine(h.dst)}
 
     def relay(self, steps: Sequence[Step], what: str, size: int) -> None:
@@ -159,10 +174,11 @@ class Communicator(abc.ABC):
 
         recvs = [(s, p, hop, a, b, post(False, hop.into[a:b], hop.src, s, hop, p))
                  for s in range(last) for hop in sorted(steps[s].hops, key=lambda h: (h.src, h.dst))
-                 if hop.into is not None for p, (a, b) in enumerate(pieces(hop.into.numel(), k, steps[s].unit))]
+                 if hop.into is not None
+                 for p, (a, b) in enumerate(pieces(hop.into.numel(), k, steps[s].unit))]
         recvs.sort(key=lambda r: r[:2])   # (step, piece), then hops in (src, dst) order
         sends, waiting = [], {}
-        todo = collections.deque(itertools.product([0], self.nodes, range(k)))   # (step, node, piece) that may go
+        todo = collections.deque(itertools.product([0], self.nodes, range(k)))   # (step, node, piece) to go
 
         def count(s: int, node: int, p: int) -> None:   # one of what piece p of node's step s + 1 waits for
             key = (s, node, p)
@@ -223,8 +239,16 @@ class Communicator(abc.ABC):
         with a landing buffer (kept between calls) where it comes from another rank."""
         into = None
         if self.mine(dst) and not self.mine(src):
-            into = self.buffer(("hop", step, src, dst), size, like)
+            into = self.landing(("hop", step, src, dst), size, like)
         return Hop(src, dst, payload if self.mine(src) else None, into)
+
+    def landing(self, key: object, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A buffer kept between calls (``numel`` items like ``like``) where a hop from another
+        rank lands."""
+        s = self._landing.get(key)
+        if s is None or s.numel() < numel or s.dtype != like.dtype or s.device != like.device:
+            s = self._landing[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return s[:numel]
 
     def _meter(self, hop: Hop) -> None:
         """Count a hop where it touches this process: on the wire, or copied in memory (a hop
@@ -239,6 +263,14 @@ class Communicator(abc.ABC):
     def _meter_copy(self, src: int, dst: int, size: int) -> None:
         self.meter.add(src, "copy", sent=size, phase=IN_PROCESS)
         self.meter.add(dst, "copy", recv=size, phase=IN_PROCESS)
+
+    def all_reduce_(self, total: torch.Tensor) -> None:
+        """``total`` := its sum over every process, one all_reduce (metered for each node here
+        by the ring convention)."""
+        for node in self.nodes:
+            sizes = self.ring_convention(total.numel(), node, total.element_size())
+            self.meter.add(node, "all_reduce", **sizes)
+        self._sum_ranks(total)
 
     @abc.abstractmethod
     def _sum_ranks(self, total: torch.Tensor) -> None:
@@ -263,15 +295,10 @@ class Communicator(abc.ABC):
         """Wait for every node (a no-op in one process)."""
 
     def close(self) -> None:
-        """Release buffers; the process group itself belongs to :mod:`admm_dist.engine.dist`."""
-        self._scratch.clear()
-
-    def buffer(self, key: object, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A scratch tensor kept between calls (``numel`` items like ``like``)."""
-        s = self._scratch.get(key)
-        if s is None or s.numel() < numel or s.dtype != like.dtype or s.device != like.device:
-            s = self._scratch[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return s[:numel]
+        """Release buffers (the algorithm's state stays); the process group itself belongs to
+        :mod:`admm_dist.engine.dist`."""
+        self._landing.clear()
+        self.algorithm.close()
 
     # -- consensus ------------------------------------------------------------------------
     def consensus_(self, vectors: Sequence[torch.Tensor]) -> None:
@@ -284,78 +311,5 @@ class Communicator(abc.ABC):
                                  f"(got shape {tuple(v.shape)}, dtype {v.dtype}): flatten it first")
         if len({v.numel() for v in vectors}) > 1:
             raise ValueError("every node's vector must have the same length")
-        if self.n_nodes == 1:
-            return
-        if self.compress != "none":
-            compressed.consensus_(self, vectors)
-        elif self.mode in MIXING:
-            self._mix(vectors)
-        elif self.mode == "ring":
-            self._ring(vectors)
-        else:
-            self._coordinator(vectors)
-
-    def _coordinator(self, vs: Sequence[torch.Tensor]) -> None:
-        total = vs[0] if len(vs) == 1 else vs[0].clone()
-        for v in vs[1:]:
-            total.add_(v)
-        for node, v in zip(self.nodes, vs):
-            self.meter.add(node, "all_reduce", **self.ring_convention(v.numel(), node, v.element_size()))
-        self._sum_ranks(total)
-        total.div_(self.n_nodes)
-        for v in vs:
-            if v is not total:
-                v.copy_(total)
-
-    def _ring(self, vs: Sequence[torch.Tensor]) -> None:
-        """Step s < n - 1 (reduce-scatter): node i hands chunk i - s to node i + 1, which adds it
-        to its own (own + incoming; at the last of these steps node i holds chunk i + 1 summed
-        and divides it by n). Step s >= n - 1 (all-gather): node i hands chunk i - s on as is.
-        Elementwise, piece by piece: the same bits whatever the pieces and the placement."""
-        n = self.n_nodes
-        bounds = chunk_bounds(vs[0].numel(), n)
-        here = dict(zip(self.nodes, vs))
-        biggest = max(hi - lo for lo, hi in bounds)
-
-        def step(s: int) -> Step:
-            hops = []
-            for i in [i for i in range(n) if self.mine(i) or self.mine((i + 1) % n)]:
-                dst, (lo, hi) = (i + 1) % n, bounds[(i - s) % n]
-                into = None   # from another rank: an inbox per step (reduce-scatter), in place (all-gather)
-                if self.mine(dst) and not self.mine(i):
-                    into = self.buffer(("ring", dst, s), biggest, vs[0])[:hi - lo] if s < n - 1 else here[dst][lo:hi]
-                hops.append(Hop(i, dst, here[i][lo:hi] if self.mine(i) else None, into))
-
-            def arrived(hop: Hop, a: int, b: int, piece: torch.Tensor) -> None:
-                lo = bounds[(hop.src - s) % n][0]
-                mine = here[hop.dst][lo + a:lo + b]
-                if s < n - 1:
-                    mine.add_(piece)
-                    if s == n - 2:
-                        mine.div_(n)
-                elif hop.into is None:   # within this process (from another rank it landed in place)
-                    mine.copy_(piece)
-            return Step(hops, arrived)
-
-        self.relay([step(s) for s in range(2 * n - 2)], "ring", biggest * vs[0].element_size())
-
-    def _mix(self, vs: Sequence[torch.Tensor]) -> None:
-        """``gossip_steps`` neighbour-mixing steps (one, for ``decentralized``)."""
-        here = dict(zip(self.nodes, vs))
-        p = vs[0].numel()
-        for step in range(self.gossip_steps):
-            hops = []
-            for i in self.nodes:
-                for j in self.neighbours[i]:
-                    hops.append(Hop(i, j, here[i], None))      # i's vector goes to j
-                    if not self.mine(j):                       # j's vector lands at i
-                        hops.append(Hop(j, i, None, self.buffer(("inbox", j, i), p, vs[0])))
-            got = self.exchange(hops, f"gossip step {step}")
-            mixed = {}
-            for i in self.nodes:   # W_ii v_i + sum_j W_ij v_j, neighbours in ascending order
-                row = self.weights[i]
-                mixed[i] = torch.mul(here[i], row[i], out=self.buffer(("mixed", i), p, vs[0]))
-                for j in self.neighbours[i]:
-                    mixed[i].add_(got[(j, i)], alpha=row[j])
-            for i in self.nodes:
-                here[i].copy_(mixed[i])
+        if self.n_nodes > 1:
+            self.algorithm.consensus_(self, vectors)

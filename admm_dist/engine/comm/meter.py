@@ -13,6 +13,8 @@ import dataclasses
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
+from admm_dist.engine.placement import even_split
+
 CONSENSUS = "consensus"       # the z-step's payload on the wire
 TELEMETRY = "telemetry"       # rows every rank needs (the rounds' figures, the collections' records)
 IN_PROCESS = "in_process"     # the bytes a hop between two nodes of one rank copies in memory
@@ -68,17 +70,12 @@ class ByteMeter:
 
 
 def chunk_sizes(numel: int, n: int) -> List[int]:
-    """Split ``numel`` elements into ``n`` near-equal chunks (the first ``numel % n`` get one more)."""
-    base, extra = divmod(numel, n)
-    return [base + (1 if c < extra else 0) for c in range(n)]
+    """Split ``numel`` elements into ``n`` near-equal chunks (:func:`~admm_dist.engine.placement.even_split`)."""
+    return [len(r) for r in even_split(numel, n)]
 
 
 def chunk_bounds(numel: int, n: int) -> List[Tuple[int, int]]:
-    bounds, start = [], 0
-    for size in chunk_sizes(numel, n):
-        bounds.append((start, start + size))
-        start += size
-    return bounds
+    return [(r.start, r.stop) for r in even_split(numel, n)]
 
 
 def ring_bytes_per_rank(numel: int, n: int, rank: int, itemsize: int = 4) -> int:

@@ -33,11 +33,11 @@ class ProcessGroupCommunicator(Communicator):
 
     def __init__(self, *, mode: str, n_nodes: int, timeout: datetime.timedelta,
                  group: Optional[dist.ProcessGroup] = None, topology: str = "ring",
-                 gossip_steps: int = 1, meter=None, compress: str = "none", k: int = 1) -> None:
-        if not dist.is_initialized():   # k > 1: ``group`` is the seat groups' leaders (engine/dist.py)
+                 gossip_steps: int = 1, meter=None, compress: str = "none") -> None:
+        if not dist.is_initialized():   # ``group``: this rank's column across seats (engine/dist.py)
             raise CommError("no process group: create one with admm_dist.engine.dist.distributed() first")
-        self.group, self.world = group, dist.get_world_size(group) if k == 1 else n_nodes
-        rank = dist.get_rank(group) if k == 1 else dist.get_rank() // k   # a follower's seat, too
+        self.group, self.world = group, dist.get_world_size(group)
+        rank = dist.get_rank(group)
         super().__init__(mode=mode, n_nodes=n_nodes, blocks=blocks(n_nodes, self.world), rank=rank,
                          topology=topology, gossip_steps=gossip_steps, meter=meter, compress=compress)
         self.timeout = timeout
@@ -66,7 +66,8 @@ class ProcessGroupCommunicator(Communicator):
         try:
             return post()
         except Exception as e:  # a peer that died is reported when the next message is posted
-            raise CommError(f"rank {dist.get_rank()}: posting the messages of {what} failed ({first_line(e)})") from e
+            raise CommError(f"rank {dist.get_rank()}: posting the messages of {what} failed "
+                            f"({first_line(e)})") from e
 
     def relay(self, steps, what: str, size: int) -> None:
         """Under gloo, each message is posted itself (a batch costs ~75 us more) and each piece
@@ -86,15 +87,18 @@ class ProcessGroupCommunicator(Communicator):
         others; fewer if the tags (step, src, dst, piece) would not fit."""
         if self.nccl or size == 0:
             return 1
-        pieces = max(2 if size >= 512 << 10 else 1, -(-size // (self.segment_bytes if unit == 1 else self.coded_bytes)))
+        biggest = self.segment_bytes if unit == 1 else self.coded_bytes
+        pieces = max(2 if size >= 512 << 10 else 1, -(-size // biggest))
         return max(1, min(pieces, (2 ** 31 - 1) // (n_steps * self.n_nodes ** 2)))
 
     def _sum_ranks(self, total: torch.Tensor) -> None:
-        self._wait([dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group, async_op=True)], "all_reduce")
+        self._wait([dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group, async_op=True)],
+                   "all_reduce")
 
     def _gather(self, rows: torch.Tensor) -> torch.Tensor:
-        moved = rows.cuda() if rows.device.type == "cpu" and self.nccl else rows   # NCCL moves GPU tensors only
-        return gather_blocks(moved, self.blocks, self.group, self.timeout, "all_gather of telemetry").to(rows.device)
+        moved = rows.cuda() if rows.device.type == "cpu" and self.nccl else rows   # NCCL: GPU tensors only
+        every = gather_blocks(moved, self.blocks, self.group, self.timeout, "all_gather of telemetry")
+        return every.to(rows.device)
 
     def barrier(self) -> None:
         self._wait([dist.barrier(group=self.group, async_op=True)], "barrier")

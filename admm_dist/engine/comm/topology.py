@@ -18,12 +18,13 @@ Every graph is undirected, has no self-loops, and is connected for ``n >= 2``:
 Weights: W_ij = 1 / (1 + max(d_i, d_j)) on edges, W_ii = 1 - sum_j W_ij.
 W is symmetric and doubly stochastic, so gossip preserves the mean. Decentralized ADMM mixes
 with W_ii = 1/2, W_ij = 1 / (2 d_i) (:func:`half_mean_weights`): row-stochastic only; its
-exactness comes from the duals, not from the weights.
+exactness comes from the duals, not from the weights. A :class:`Graph` is what a consensus
+algorithm is given of all this (:func:`graph`).
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 from admm_dist.core.errors import UserError
 
@@ -114,3 +115,17 @@ def half_mean_weights(nbrs: List[List[int]]) -> List[Dict[int, float]]:
         row[i] = 0.5 if ns else 1.0
         rows.append(row)
     return rows
+
+
+class Graph(NamedTuple):
+    """Who mixes with whom and how: what a consensus algorithm is given (N = len(neighbours))."""
+    neighbours: List[List[int]]      # sorted, per node
+    weights: List[Dict[int, float]]  # row i: W_ij for each neighbour j and i itself
+    steps: int                       # mixing steps per consensus (gossip_steps)
+
+
+def graph(mode: str, topology: str, n: int, steps: int = 1) -> Graph:
+    """The graph of ``topology`` on ``n`` nodes with the weights ``mode`` mixes by (Metropolis;
+    the half mean for ``decentralized``)."""
+    nbrs = neighbours(topology, n)
+    return Graph(nbrs, (half_mean_weights if mode == DECENTRALIZED else metropolis_weights)(nbrs), int(steps))
