@@ -84,7 +84,8 @@ def build_assets(folder: str) -> Dict[str, str]:
     return {"backbone": bb, "fit": fit}
 
 
-def train_args(assets: Dict[str, str], folder: str, *, keep: int, k_outer: int, resume: bool = False) -> List[str]:
+def train_args(assets: Dict[str, str], folder: str, *, keep: int, k_outer: int,
+               resume: bool = False) -> List[str]:
     """The training command's ``key=value`` overrides: the tests' small run on 4 nodes."""
     d = dict(model_name=assets["backbone"], fitset_cache=assets["fit"], task="synthetic", n_agents=N_AGENTS,
              device="cpu", lora_rank=4, lora_alpha=8.0, lora_layers_last=2, k_outer=k_outer, local_steps=2,
@@ -153,7 +154,8 @@ def result_tensors(folder: str) -> Dict[str, Dict[str, tuple]]:
     out: Dict[str, Dict[str, tuple]] = {}
     for name, path in files.items():
         if os.path.exists(path):
-            out[name] = {k: (str(t.dtype), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            out[name] = {k: (str(t.dtype), tuple(t.shape),
+                             t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
                          for k, t in load_file(path).items()}
     return out
 
@@ -171,7 +173,8 @@ def differences(got: Dict[str, Dict[str, tuple]], ref: Dict[str, Dict[str, tuple
         for key in sorted(set(ref[name]) | set(got[name])):
             a, b = got[name].get(key), ref[name].get(key)
             if a != b:
-                diff.append(f"{name}[{key}]: " + ("missing" if a is None else "extra" if b is None else "differs"))
+                diff.append(f"{name}[{key}]: "
+                            + ("missing" if a is None else "extra" if b is None else "differs"))
     if "last" in ref and ref["last"].get("b") is None:
         diff.append("reference has no -last vector 'b'")
     return diff
@@ -253,8 +256,8 @@ def run(out: str, runs: int, *, seed: int = 0, k_outer: int = DEFAULT_K_OUTER,
         folder = os.path.join(out, f"ref-keep{keep}")
         os.makedirs(folder)
         t0 = time.perf_counter()
-        rc = torchrun(train_args(assets, folder, keep=keep, k_outer=k_outer), os.path.join(folder, "train.log"),
-                      fault=None, timeout_s=timeout_s, nproc=nproc)
+        rc = torchrun(train_args(assets, folder, keep=keep, k_outer=k_outer),
+                      os.path.join(folder, "train.log"), fault=None, timeout_s=timeout_s, nproc=nproc)
         secs = time.perf_counter() - t0
         refs[keep] = result_tensors(folder)
         references[keep] = {"rc": rc, "seconds": round(secs, 1), "rounds_left": rounds_left(folder),
@@ -262,8 +265,9 @@ def run(out: str, runs: int, *, seed: int = 0, k_outer: int = DEFAULT_K_OUTER,
         log(f"# reference keep_checkpoints={keep}: rc {rc}, rounds left {references[keep]['rounds_left']}, "
             f"{secs:.1f} s")
         if rc != 0 or "last" not in refs[keep]:
-            raise RuntimeError(f"the uninterrupted reference run (keep_checkpoints={keep}) failed with rc {rc}; "
-                               f"its log ({folder}/train.log) ends:\n{_tail(os.path.join(folder, 'train.log'))}")
+            raise RuntimeError(f"the uninterrupted reference run (keep_checkpoints={keep}) failed with "
+                               f"rc {rc}; its log ({folder}/train.log) ends:\n"
+                               f"{_tail(os.path.join(folder, 'train.log'))}")
     log(f"{'run':>3} {'keep':>4} {'round':>5} {'node':>4} {'point':<16} {'fault rc':>8} {'resume rc':>9} "
         f"{'after':>5} {'identical':>9} {'leftovers':>9} {'rounds left':<12} {'s':>6}")
     trials = []
@@ -277,8 +281,8 @@ def run(out: str, runs: int, *, seed: int = 0, k_outer: int = DEFAULT_K_OUTER,
                        timeout_s=timeout_s, nproc=nproc)
         fired = killed_ranks(flog)
         rounds_after_kill = rounds_left(folder)
-        rrc = torchrun(train_args(assets, folder, keep=p["keep"], k_outer=k_outer, resume=True), rlog, fault=None,
-                       timeout_s=timeout_s, nproc=nproc)
+        rrc = torchrun(train_args(assets, folder, keep=p["keep"], k_outer=k_outer, resume=True), rlog,
+                       fault=None, timeout_s=timeout_s, nproc=nproc)
         secs = time.perf_counter() - t0
         diff = differences(result_tensors(folder), refs[p["keep"]]) if rrc == 0 else ["resume failed"]
         t = dict(p, run=i, rank=owner[p["node"]], fault=fault, fault_rc=frc, killed_ranks=fired,
@@ -292,15 +296,16 @@ def run(out: str, runs: int, *, seed: int = 0, k_outer: int = DEFAULT_K_OUTER,
         trials.append(t)
         rounds = ",".join(map(str, t["rounds_left"])) or "-"
         log(f"{i:>3} {p['keep']:>4} {p['round']:>5} {p['node']:>4} {p['point']:<16} {frc:>8} {rrc:>9} "
-            f"{'?' if t['resumed_after'] is None else t['resumed_after']:>5} {'yes' if t['identical'] else 'NO':>9} "
-            f"{len(t['leftovers']):>9} {rounds:<12} {secs:>6.1f}")
+            f"{'?' if t['resumed_after'] is None else t['resumed_after']:>5} "
+            f"{'yes' if t['identical'] else 'NO':>9} {len(t['leftovers']):>9} {rounds:<12} {secs:>6.1f}")
         if not t["ok"]:
             why = ("the fault run did not fail" if frc == 0
                    else f"SIGKILL seen on rank(s) {fired}, not {t['rank']}" if not t["kill_fired"]
                    else f"resume exited {rrc}" if rrc != 0 else "; ".join(diff))
             log(f"#   run {i} FAILED ({fault}, keep_checkpoints={p['keep']}): {why}; logs in {folder}")
             if rrc != 0:
-                log("#   resume.log ends:\n" + "".join(f"#   {line}" for line in _tail(rlog).splitlines(True)))
+                log("#   resume.log ends:\n"
+                    + "".join(f"#   {line}" for line in _tail(rlog).splitlines(True)))
     n = len(trials)
     summary = {"runs": n, "bit_identical": sum(t["identical"] for t in trials),
                "ok": sum(t["ok"] for t in trials), "kill_fired": sum(t["kill_fired"] for t in trials),
@@ -322,17 +327,21 @@ def run(out: str, runs: int, *, seed: int = 0, k_outer: int = DEFAULT_K_OUTER,
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kill_resume", description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=20, help="trials, keep_checkpoints 1 and 3 alternately (default 20)")
+    ap.add_argument("--runs", type=int, default=20,
+                    help="trials, keep_checkpoints 1 and 3 alternately (default 20)")
     ap.add_argument("--out", metavar="DIR", default="runs/kill_resume",
-                    help="scratch folder: assets, references, one folder per trial (default runs/kill_resume)")
+                    help="scratch folder: assets, references, one folder per trial "
+                         "(default runs/kill_resume)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the drawn round, node and point (default 0)")
-    ap.add_argument("--k-outer", type=int, default=DEFAULT_K_OUTER, help=f"rounds per run (default {DEFAULT_K_OUTER})")
+    ap.add_argument("--k-outer", type=int, default=DEFAULT_K_OUTER,
+                    help=f"rounds per run (default {DEFAULT_K_OUTER})")
     ap.add_argument("--nproc", type=int, default=N_AGENTS,
                     help=f"ranks for the {N_AGENTS} nodes (default {N_AGENTS}: one node per rank; fewer: "
                          "several nodes per rank)")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                     help=f"seconds one torchrun launch may take (default {DEFAULT_TIMEOUT_S:.0f})")
-    ap.add_argument("--json", metavar="PATH", help="write the trials and the summary here (a JSON dict), atomically")
+    ap.add_argument("--json", metavar="PATH",
+                    help="write the trials and the summary here (a JSON dict), atomically")
     a = ap.parse_args(argv)
     if a.runs < 1 or a.k_outer < 1:
         ap.error("--runs and --k-outer must be at least 1")

@@ -20,7 +20,8 @@ interface counters; its *wire time* is those bytes (the larger of sent and recei
 link's rate, the least time the payload can take, printed beside the seconds. The codec's own
 encode and decode rates on one thread of this CPU (GB/s of fp32 in and out) are printed too, so
 a reader sees which of the two bounds each cell. It needs root, iproute2 (``ip``, ``tc``) and
-nsenter; without them it says so in one line and exits 2. Every namespace it makes is deleted on the way out, by name.
+nsenter; without them it says so in one line and exits 2. Every namespace it makes is deleted
+on the way out, by name.
 """
 from __future__ import annotations
 
@@ -160,14 +161,16 @@ def _launch(n: int, cases: Sequence[Dict[str, Any]], reps: int, folder: str, *,
             env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
             log = open(os.path.join(folder, f"rank{r}.log"), "w")
             logs.append(log)
-            cmd = (star.prefix(r) if star else []) + [sys.executable, "-m", "benchmarks.links", "--worker", spec]
+            cmd = (star.prefix(r) if star else []) + [sys.executable, "-m", "benchmarks.links", "--worker",
+                                                      spec]
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         end = time.monotonic() + WORKER_TIMEOUT_S
         for r, p in enumerate(procs):
             try:
                 rc = p.wait(timeout=max(1.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise LinksError(f"N={n}: rank {r} ran past {WORKER_TIMEOUT_S:.0f} s (log {logs[r].name})") from None
+                raise LinksError(f"N={n}: rank {r} ran past {WORKER_TIMEOUT_S:.0f} s "
+                                 f"(log {logs[r].name})") from None
             if rc != 0:
                 with open(logs[r].name, errors="replace") as fh:
                     tail = fh.read().strip().splitlines()[-3:]
@@ -200,8 +203,8 @@ def _worker(spec_text: str) -> int:
     with distributed("cpu", timeout_s=WORKER_TIMEOUT_S) as ctx:
         for case in spec["cases"]:
             numel = int(case["mib"] * (1 << 20) // 4)
-            comm = make_communicator(case["mode"], n_nodes=ctx.world_size, topology="ring", timeout=ctx.timeout,
-                                     compress=case["compress"])
+            comm = make_communicator(case["mode"], n_nodes=ctx.world_size, topology="ring",
+                                     timeout=ctx.timeout, compress=case["compress"])
             src = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank))
             v = src.clone()
             comm.consensus_([v])   # warm-up: buffers, and the compressed modes' public copies
@@ -248,7 +251,8 @@ def codec_rates(numel: int = 1 << 22, reps: int = 5) -> List[Dict[str, Any]]:
             c = codec(name)
             payload = torch.empty(c.payload_bytes(numel), dtype=torch.uint8)
             row: Dict[str, Any] = {"compress": name, "numel": numel}
-            for what, fn in (("encode", lambda: c.encode_(payload, v)), ("encode_change", lambda: c.encode_(payload, v, h)),
+            for what, fn in (("encode", lambda: c.encode_(payload, v)),
+                             ("encode_change", lambda: c.encode_(payload, v, h)),
                              ("decode_add", lambda: c.decode_(out, payload, add=True))):
                 fn()
                 best = min(_timed(fn) for _ in range(reps))
@@ -266,10 +270,11 @@ def _timed(fn) -> float:
 
 
 def format_codecs(rows: Sequence[Dict[str, Any]]) -> str:
-    lines = ["codec on one thread, GB/s of fp32 (a 100 Mbit/s link carries 0.0125 GB/s of payload, 1 Gbit/s 0.125):",
+    lines = ["codec on one thread, GB/s of fp32 (a 100 Mbit/s link carries 0.0125 GB/s of payload, "
+             "1 Gbit/s 0.125):",
              f"{'payload':>7} {'encode':>7} {'encode v-h':>11} {'decode +=':>10}"]
-    lines += [f"{r['compress']:>7} {r['encode_gbps']:>7.2f} {r['encode_change_gbps']:>11.2f} {r['decode_add_gbps']:>10.2f}"
-              for r in rows]
+    lines += [f"{r['compress']:>7} {r['encode_gbps']:>7.2f} {r['encode_change_gbps']:>11.2f} "
+              f"{r['decode_add_gbps']:>10.2f}" for r in rows]
     return "\n".join(lines)
 
 
@@ -336,8 +341,9 @@ def run(nodes: Sequence[int], rates: Sequence[str], sizes: Sequence[float], mode
 def format_table(result: Dict[str, Any]) -> str:
     recs = result["records"]
     s = result["settings"]
-    lines = [f"seconds per z-step / its payload's wire time (MiB sent per node) on a ring graph; N ranks, one "
-             f"per namespace, each link shaped both ways (tbf, MTU {s['mtu']}); {LOOPBACK}: unshaped, one host"]
+    lines = [f"seconds per z-step / its payload's wire time (MiB sent per node) on a ring graph; N ranks, "
+             f"one per namespace, each link shaped both ways (tbf, MTU {s['mtu']}); {LOOPBACK}: unshaped, "
+             "one host"]
     head = f"{'rate':>9} {'MiB':>4} {'mode':<24}" + "".join(f"{f'N={n}':>32}" for n in s["nodes"])
     lines += [head, "-" * len(head)]
     for rate in s["rates"]:
@@ -349,7 +355,8 @@ def format_table(result: Dict[str, Any]) -> str:
                         r = next((x for x in recs if (x["rate"], x["mib"], x["mode"], x["compress"], x["n"])
                                   == (rate, mib, mode, c, n)), None)
                         wire = "" if r is None or r.get("wire_s") is None else f" / {r['wire_s']:6.3f}"
-                        cells.append("-" if r is None else f"{r['seconds']:7.3f}{wire} ({r['sent'] / 2**20:6.1f} MiB)")
+                        cells.append("-" if r is None else
+                                     f"{r['seconds']:7.3f}{wire} ({r['sent'] / 2**20:6.1f} MiB)")
                     lines.append(f"{rate:>9} {mib:>4g} {mode + ('' if c == 'none' else '-' + c):<24}"
                                  + "".join(f"{cell:>32}" for cell in cells))
     lines.append(f"# wall {result['wall_s']:.0f} s; load average after: {result['load']}")
@@ -361,8 +368,8 @@ def format_schemes(rows: Sequence[Dict[str, Any]]) -> str:
              "(same bytes per node both ways):",
              f"{'payload':>7} {'N':>3} {'owner (used)':>13} {'ring, per hop':>14} {'bytes/node':>11}"]
     for r in rows:
-        lines.append(f"{r['compress']:>7} {r['n']:>3} {r['owner_rel_error']:>13.2e} {r['ring_rel_error']:>14.2e} "
-                     f"{r['bytes_per_node']:>11,}")
+        lines.append(f"{r['compress']:>7} {r['n']:>3} {r['owner_rel_error']:>13.2e} "
+                     f"{r['ring_rel_error']:>14.2e} {r['bytes_per_node']:>11,}")
     return "\n".join(lines)
 
 
@@ -379,7 +386,8 @@ def _list(text: str, kind, allowed: Optional[Sequence[str]] = None) -> list:
     items = [kind(x.strip()) for x in text.split(",") if x.strip()]
     bad = [x for x in items if allowed is not None and x not in allowed]
     if not items or bad:
-        raise LinksError(f"{text!r}: give a comma-separated list" + (f" of {', '.join(allowed)}" if allowed else ""))
+        raise LinksError(f"{text!r}: give a comma-separated list"
+                         + (f" of {', '.join(allowed)}" if allowed else ""))
     return items
 
 
@@ -397,7 +405,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--compress", default=",".join(COMPRESSIONS))
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--json", default=None)
-    p.add_argument("--png", default=None, help="seconds per z-step against N at the last rate and the largest size")
+    p.add_argument("--png", default=None,
+                   help="seconds per z-step against N at the last rate and the largest size")
     args = p.parse_args(argv)
     try:
         nodes = _list(args.nodes, int)

@@ -187,7 +187,8 @@ def test_one_communication_layer_with_two_transports():
     """Each consensus algorithm is written once (an object of engine/comm/algorithm.py's kind),
     over two concrete communicators: one in-process, one over a process group."""
     comm = {m: p for m, p in modules().items() if m.startswith("admm_dist.engine.comm")}
-    classes = sorted(node.name for p in comm.values() for node in ast.walk(ast.parse(open(p, encoding="utf-8").read()))
+    classes = sorted(node.name for p in comm.values()
+                     for node in ast.walk(ast.parse(open(p, encoding="utf-8").read()))
                      if isinstance(node, ast.ClassDef) and node.name.endswith("Communicator"))
     assert classes == ["Communicator", "LocalCommunicator", "ProcessGroupCommunicator"], classes
 

@@ -8,7 +8,8 @@ W <= N in contiguous blocks (one each with W = N; a rank with several nodes keep
 and switches their adapters, and hops between its nodes stay in memory), with W = k x N as seat
 groups of k ranks per node (its x-steps data-parallel over micro_batches; shard_backbone=true
 shards its backbone over them); with plain python (or --backend local) every node runs in this
-one process on one backbone. Where a node runs never changes the numbers. Settings are layered: the defaults below, then the YAML file of --config
+one process on one backbone. Where a node runs never changes the numbers.
+Settings are layered: the defaults below, then the YAML file of --config
 (configs/ has the paper's arms and small CPU versions), then overrides as --key value or
 key=value (a bare --flag sets a boolean to true). An unknown key is refused with the closest
 valid name. Bad input ends the run with one line on stderr and exit code 2; a run that cannot
@@ -141,7 +142,8 @@ def _run(argv: List[str], flag: PreemptionFlag, stop: StopSignals, where: _Where
         return 0
     except (UserError, OSError, RunError, DistError) as e:
         stop.hold()
-        return _failed(e, where, ctx.roll_call if ctx is not None else None, f"{PROG}: error on rank {rank}: ")
+        return _failed(e, where, ctx.roll_call if ctx is not None else None,
+                       f"{PROG}: error on rank {rank}: ")
     else:
         if rank == 0:
             if not cfg.quiet and not cfg.dry_run:

@@ -111,13 +111,15 @@ def check_output_file(path: str, flag: str) -> None:
     naming ``flag``."""
     if os.path.isdir(path):
         raise UserError(f"{flag} {path} is a folder: give a file path")
-    here = os.path.dirname(os.path.abspath(path))    # nothing is created yet: the nearest existing folder decides
+    # nothing is created yet: the nearest existing folder decides
+    here = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(here):
         here = os.path.dirname(here)
     if not os.path.isdir(here):
         raise UserError(f"{flag} {path} cannot be written: {here} is a file; choose another {flag}")
     if not os.access(here, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {path} cannot be written: {here} is read-only or not ours; choose another {flag}")
+        raise UserError(f"{flag} {path} cannot be written: {here} is read-only or not ours; "
+                        f"choose another {flag}")
 
 
 def atomic_write_json(path: str, obj: Any, *, indent: int = 2) -> None:
@@ -173,7 +175,8 @@ def read_jsonl(path: str, what: str) -> List[dict]:
     return out
 
 
-_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device",
+          stat.S_IFBLK: "a device"}
 
 
 def check_model_files(folder: str, what: str) -> None:
@@ -188,9 +191,10 @@ def check_model_files(folder: str, what: str) -> None:
             try:
                 mode = os.stat(entry.path).st_mode
             except OSError as exc:     # a link to nothing, or a loop of links
-                raise UserError(f"{what} {path} cannot be read ({exc.strerror}): remove it or put the model's "
-                                f"own file there") from None
+                raise UserError(f"{what} {path} cannot be read ({exc.strerror}): remove it or put "
+                                f"the model's own file there") from None
             if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 link = " (through a symbolic link)" if entry.is_symlink() else ""
-                raise UserError(f"{what} {path} is {_KINDS.get(stat.S_IFMT(mode), 'not a file')}{link}, not a "
-                                f"regular file: put the model's own file there (nothing was read from it)")
+                raise UserError(f"{what} {path} is {_KINDS.get(stat.S_IFMT(mode), 'not a file')}{link}, "
+                                f"not a regular file: put the model's own file there (nothing was read "
+                                f"from it)")

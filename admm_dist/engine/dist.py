@@ -62,7 +62,8 @@ def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     dev = torch.device(requested)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise DistConfigError(f"device {requested!r} requested but CUDA is not available: use --device cpu")
+            raise DistConfigError(f"device {requested!r} requested but CUDA is not available: "
+                                  f"use --device cpu")
         n = torch.cuda.device_count()
         if dev.index is None:
             if local_rank >= n:
@@ -179,7 +180,8 @@ def _init_group(env: DistEnv, backend: str, timeout: datetime.timedelta, from_en
                                 world_size=env.world_size, timeout=timeout, **kwargs)
         return prefix
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                            init_method="env://" if from_environ else f"tcp://{env.master_addr}:{env.master_port}",
+                            init_method=("env://" if from_environ
+                                         else f"tcp://{env.master_addr}:{env.master_port}"),
                             timeout=timeout, **kwargs)
     return None
 
@@ -251,7 +253,8 @@ def distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
         raise
     roll = roll_call(env, prefix) if prefix is not None else None
     try:
-        yield DistContext(env=env, device=dev, backend=backend, timeout=timeout, control=control, roll_call=roll)
+        yield DistContext(env=env, device=dev, backend=backend, timeout=timeout, control=control,
+                          roll_call=roll)
     except Exception as e:
         failure = e
         if backend_failure(e):

@@ -95,9 +95,11 @@ class Placement:
     def describe(self) -> str:
         """One line: seat -> ranks (or rank -> seats)."""
         if self.k == 1:
-            return "; ".join(f"rank {r}: seats {b.start}-{b.stop - 1}" if len(b) > 1 else f"rank {r}: seat {b.start}"
+            return "; ".join(f"rank {r}: seats {b.start}-{b.stop - 1}" if len(b) > 1
+                             else f"rank {r}: seat {b.start}"
                              for r, b in enumerate(self.rank_blocks()))
-        return "; ".join(f"seat {s}: ranks {s * self.k}-{s * self.k + self.k - 1}" for s in range(self.n_nodes))
+        return "; ".join(f"seat {s}: ranks {s * self.k}-{s * self.k + self.k - 1}"
+                         for s in range(self.n_nodes))
 
     def backbone(self, size: int, held: Sequence[float], sharded: bool) -> str:
         """What each rank holds of a frozen backbone of ``size`` bytes (``held``: every rank's
@@ -105,7 +107,8 @@ class Placement:
         head = f"backbone ({size / 2 ** 20:.1f} MiB): "
         if not (sharded and self.k > 1):
             return head + "whole on every rank" + (
-                f" ({self.k} ranks per seat; shard_backbone=true holds 1/{self.k} each)" if self.k > 1 else "")
+                f" ({self.k} ranks per seat; shard_backbone=true holds 1/{self.k} each)"
+                if self.k > 1 else "")
         parts = sorted({f"{b / size:.2f}" for b in held})
         return (head + f"sharded over the {self.k} ranks of each seat, each rank holding "
                 f"{parts[0] if len(parts) == 1 else parts[0] + ' to ' + parts[-1]} of it")

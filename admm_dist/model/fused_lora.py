@@ -5,7 +5,7 @@ Why it exists: PEFT's generic LoRA forward builds three autograd nodes per wrapp
 here W, its bias and every A are frozen and only B trains. :class:`BOnlyLinearFn` does the
 layer in one autograd op that saves only what the two gradients it returns (for the input and
 for B) need, which makes the x-step's local steps faster and lighter on memory
-(docs/benchmarks.md, "Where the step time goes").
+(docs/archive/benchmarks-notebook.md, "Where the step time goes").
 
 :func:`install_fused_forward` routes one PEFT ``LoraLayer``'s forward through it;
 :class:`~admm_dist.model.adapter.BOnlyLoRA` installs it on every layer it wraps unless built

@@ -7,12 +7,12 @@ library itself. The model is first built on the meta device only to compare ever
 shape with its file's, so that a ``config.json`` that does not match its weights is refused
 before any memory is asked for. It is then built again with accelerate's ``init_empty_weights``
 (parameters take no memory, buffers such as the rotary frequencies are real). Then, over the
-seat group's ranks (the 1-D ``shard`` mesh of :class:`~admm_dist.engine.dist.RankMesh`), each decoder layer becomes one
-``fully_shard`` group; the decoder's embedding and final norm with the output head (tied or not)
-one more, a group of two modules, because the objectives run the decoder and then the head on
-the scored positions only (:func:`admm_dist.model.objectives.token_logps`); and the causal LM
-the root, run once on one token so that FSDP2 takes it as the root. Only then is memory
-allocated: each rank's shard of each weight, rows ``[r * ceil(n / k), ...)`` of dim 0, read
+seat group's ranks (the 1-D ``shard`` mesh of :class:`~admm_dist.engine.dist.RankMesh`), each
+decoder layer becomes one ``fully_shard`` group; the decoder's embedding and final norm with the
+output head (tied or not) one more, a group of two modules, because the objectives run the decoder
+and then the head on the scored positions only (:func:`admm_dist.model.objectives.token_logps`);
+and the causal LM the root, run once on one token so that FSDP2 takes it as the root. Only then is
+memory allocated: each rank's shard of each weight, rows ``[r * ceil(n / k), ...)`` of dim 0, read
 from the files through the library's slices (:meth:`WeightFiles.read_rows`). A slice is a view
 of the file's memory map, so a rank touches only the pages of its own rows; they are
 file-backed pages of the page cache (counted in the resident set while the file is open, and
@@ -98,15 +98,15 @@ class WeightFiles:
                     rows = fh.get_slice(name)
                     dtype = rows.get_dtype()
                     if dtype not in _DTYPES:
-                        raise UserError(f"shard_backbone: {path} holds {_shown(name)} as {_shown(dtype)}, which "
-                                        f"this loader does not read: drop shard_backbone=true")
+                        raise UserError(f"shard_backbone: {path} holds {_shown(name)} as {_shown(dtype)}, "
+                                        f"which this loader does not read: drop shard_backbone=true")
                     self.tensors[name] = (path, _DTYPES[dtype], tuple(rows.get_shape()))
         for name, file in (weight_map or {}).items():
             held = os.path.basename(self.tensors[name][0]) if name in self.tensors else None
             if held != file:
-                raise UserError(f"shard_backbone: {os.path.join(folder, INDEX)} puts {_shown(name)} in {file}, "
-                                f"which does not hold it{f' ({held} does)' if held else ''}: download the model "
-                                f"again")
+                raise UserError(f"shard_backbone: {os.path.join(folder, INDEX)} puts {_shown(name)} "
+                                f"in {file}, which does not hold it{f' ({held} does)' if held else ''}: "
+                                f"download the model again")
 
     def read_rows(self, name: str, start: int, out: torch.Tensor) -> None:
         """Rows ``start .. start + len(out)`` of tensor ``name`` (dim 0; a 0-d tensor whole) into
@@ -146,8 +146,8 @@ def weight_files(folder: str) -> Tuple[List[str], Optional[Dict[str, str]]]:
     files = sorted(set(weight_map.values()))
     for file in files:
         if not file.isprintable() or file in ("", ".", "..") or file != os.path.basename(file):
-            raise UserError(f"shard_backbone: {index} names the file {_shown(file, quote=True)}, which is not a "
-                            f"plain file name inside the model folder: download the model again")
+            raise UserError(f"shard_backbone: {index} names the file {_shown(file, quote=True)}, which is "
+                            f"not a plain file name inside the model folder: download the model again")
         if not os.path.isfile(os.path.join(folder, file)):
             raise UserError(f"shard_backbone: {index} names {file}, which is not a file of {folder}: "
                             f"download the model again")
@@ -262,8 +262,8 @@ def load_sharded(src: str, device: torch.device, mesh: "DeviceMesh", dtype: torc
     folder = _local_folder(src)
     files = WeightFiles(folder)
     if not files.tensors:
-        raise UserError(f"shard_backbone: {src} has no safetensors weights to read shard by shard: convert the "
-                        f"model to safetensors (save_pretrained) or drop shard_backbone=true")
+        raise UserError(f"shard_backbone: {src} has no safetensors weights to read shard by shard: "
+                        f"convert the model to safetensors (save_pretrained) or drop shard_backbone=true")
     _return_freed_memory()
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     check_shapes(config, files, folder)
@@ -305,9 +305,9 @@ def check_shapes(config, files: WeightFiles, folder: str) -> None:
                             f"(drop shard_backbone=true)")
         path, _, shape = files.tensors[name]
         if shape != tuple(p.shape):
-            raise UserError(f"shard_backbone: {name} is {list(p.shape)} by {os.path.join(folder, 'config.json')} "
-                            f"but {list(shape)} in {path}: the config does not match the weights (nothing was "
-                            f"allocated); download the model again")
+            raise UserError(f"shard_backbone: {name} is {list(p.shape)} by "
+                            f"{os.path.join(folder, 'config.json')} but {list(shape)} in {path}: the config "
+                            f"does not match the weights (nothing was allocated); download the model again")
 
 
 def first_row(p: torch.Tensor) -> int:

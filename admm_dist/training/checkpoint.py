@@ -11,7 +11,8 @@ Layout, under ``<out>.ckpt/``::
 Each file is written atomically (temporary file, fsync, rename) and the JSON
 file is written last: its presence marks the node's checkpoint of that round
 as complete. Loading verifies both checksums and the layout, so a flipped bit or a
-hand-edited file is refused, naming the file, instead of resuming to a different result. Every JSON file carries the run's fingerprint (its semantic settings and
+hand-edited file is refused, naming the file, instead of resuming to a different result.
+Every JSON file carries the run's fingerprint (its semantic settings and
 the content of its fit set and initial state): a round counts for a run only when every
 node's file carries that run's fingerprint, so one run never resumes from, or prunes,
 another's checkpoints. ``resume auto`` restarts from the last round that *every* node
@@ -151,17 +152,21 @@ def previous_of(root: str, k: int, node: int) -> int:
 # What a checkpoint must hold: tensor name -> dtype (None: any float), and JSON key -> type(s).
 TENSORS = {"x": None, "z": None, "u": None, "rng_cpu": torch.uint8}
 META = {"fingerprint": str, "engine": dict, "adam": dict, "sampler": (dict, type(None)), "record": dict,
-        "best": (dict, type(None)), "round": int, "node": int, "resumable": dict, "identity": dict, "previous": int}
-ENGINE_META = {"round": int, "rho": (int, float), "history": list}   # the engine's state_dict() beside its tensors
+        "best": (dict, type(None)), "round": int, "node": int, "resumable": dict, "identity": dict,
+        "previous": int}
+# the engine's state_dict() beside its tensors
+ENGINE_META = {"round": int, "rho": (int, float), "history": list}
 RECORD_META = {"collections": list, "anchor_keys_all": list, "dev_curve": list}   # RunRecord.state_dict()
 
 
 def _check_layout(where: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, object]) -> None:
     for name, dtype in TENSORS.items():
         t = tensors.get(name)
-        if t is None or (dtype is not None and t.dtype != dtype) or (dtype is None and not t.is_floating_point()):
-            raise CheckpointError(f"checkpoint {where} lacks a valid tensor {name!r}: the file is damaged or "
-                                  "from another version; delete that round folder to resume from the one before")
+        if (t is None or (dtype is not None and t.dtype != dtype)
+                or (dtype is None and not t.is_floating_point())):
+            raise CheckpointError(f"checkpoint {where} lacks a valid tensor {name!r}: the file is damaged "
+                                  "or from another version; delete that round folder to resume "
+                                  "from the one before")
     for part, layout in ((meta, META), (meta.get("engine"), ENGINE_META), (meta.get("record"), RECORD_META)):
         for key, types in layout.items():
             if key not in part or not isinstance(part[key], types) or isinstance(part[key], bool):
@@ -170,8 +175,8 @@ def _check_layout(where: str, tensors: Mapping[str, torch.Tensor], meta: Mapping
                                       "version; delete that round folder to resume from the one before")
     best = meta["best"]
     if best is not None and ("best_z" not in tensors or set(best) != {"dev_nll", "round"}):
-        raise CheckpointError(f"checkpoint {where} names a best round but lacks its tensor: delete that round "
-                              "folder to resume from the one before")
+        raise CheckpointError(f"checkpoint {where} names a best round but lacks its tensor: delete that "
+                              "round folder to resume from the one before")
 
 
 def load_node(root: str, k: int, node: int, fingerprint: str) -> Tuple[Dict[str, torch.Tensor], Dict]:
@@ -190,12 +195,14 @@ def load_node(root: str, k: int, node: int, fingerprint: str) -> Tuple[Dict[str,
         raise CheckpointError(f"checkpoint of node {node} at round {k} is missing ({e.filename}): "
                               "start without resume=auto or choose another out=") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint {jpath} is not valid JSON ({type(e).__name__}): {damaged}") from None
+        raise CheckpointError(f"checkpoint {jpath} is not valid JSON ({type(e).__name__}): "
+                              f"{damaged}") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint {jpath} is not a JSON object: {damaged}")
     if not marker_fits(meta, k, node):
-        raise CheckpointError(f"checkpoint {jpath} names round {meta.get('round')!r}, node {meta.get('node')!r}, "
-                              f"not round {k}, node {node}: it was copied from another place; {damaged}")
+        raise CheckpointError(f"checkpoint {jpath} names round {meta.get('round')!r}, "
+                              f"node {meta.get('node')!r}, not round {k}, node {node}: it was copied from "
+                              f"another place; {damaged}")
     if meta.get("fingerprint") != fingerprint:
         raise CheckpointError(
             f"checkpoint {folder} was written by another configuration (fingerprint "

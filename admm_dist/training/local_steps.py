@@ -31,7 +31,8 @@ class LocalSteps:
 
     def __init__(self, cfg: "TrainConfig", model: Any, adapter: "BOnlyLoRA", ocfg: obj.ObjectiveConfig,
                  pad_id: int, seat: SeatGroup) -> None:
-        self.cfg, self.model, self.adapter, self.ocfg, self.pad_id, self.seat = cfg, model, adapter, ocfg, pad_id, seat
+        self.cfg, self.model, self.adapter, self.ocfg, self.pad_id, self.seat = (
+            cfg, model, adapter, ocfg, pad_id, seat)
         if cfg.micro_batches > 1:
             seat.check(cfg.micro_batches)
 
@@ -66,7 +67,8 @@ class LocalSteps:
             loss, _ = obj.loss(self.model, bt.collate([st.encoded[i] for i in idx], self.pad_id), self.ocfg)
             loss.backward()
             return loss.item()
-        batches = [bt.collate([st.encoded[i] for i in part], self.pad_id) for part in parts(idx, self.cfg.micro_batches)]
+        batches = [bt.collate([st.encoded[i] for i in part], self.pad_id)
+                   for part in parts(idx, self.cfg.micro_batches)]
         norm, rows = obj.normalizers(batches), []
         for m in self.seat.my_parts(len(batches)):
             ad.zero_grad()

@@ -53,12 +53,14 @@ class Checkpointed:
         meta = {"engine": {k: engine_state[k] for k in ("round", "rho", "history")},
                 "adam": adam_scalars, "sampler": st.sampler.state_dict() if st.sampler else None,
                 "record": self.record.state_dict(),
-                "best": None if self.best is None else {k: v for k, v in self.best.state_dict().items() if k != "z"}}
+                "best": None if self.best is None else {k: v for k, v in self.best.state_dict().items()
+                                                        if k != "z"}}
         return tensors, meta
 
 
-def save_round(root: str, run: Checkpointed, control: "Control", *, fingerprint: str, identity: Mapping[str, Any],
-               resumable: Mapping[str, float], keep: int, writer: bool = True) -> None:
+def save_round(root: str, run: Checkpointed, control: "Control", *, fingerprint: str,
+               identity: Mapping[str, Any], resumable: Mapping[str, float], keep: int,
+               writer: bool = True) -> None:
     """Every node of this rank writes round ``engine.round``; then the ranks agree on the newest
     round all of them completed, and only then prune to ``keep`` rounds up to it. A rank that is
     not its seat group's leader (``writer`` false) writes nothing and only takes part in that
@@ -76,7 +78,8 @@ def save_round(root: str, run: Checkpointed, control: "Control", *, fingerprint:
     for node in nodes:
         tensors, meta = run.node_files(node, engine_state)
         meta.update(fingerprint=fingerprint, resumable=dict(resumable),
-                    identity=dict(identity),   # what the fingerprint hashes: a refused resume names the difference
+                    # what the fingerprint hashes: a refused resume names the difference
+                    identity=dict(identity),
                     previous=before[-1] if before else 0)   # every node must hold it or this one
         ckpt.save_node(root, k, node, tensors, meta)
     mine = ckpt.completed_rounds(root, nodes, fingerprint)
@@ -89,7 +92,8 @@ def optimizer_record(optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, torch.
     groups (the learning rate and the rest) are the run's settings, not state: not saved."""
     state = optimizer.state_dict()["state"]
     if len(state) > 1:
-        raise ValueError(f"the optimizer holds state for {len(state)} parameters; one (the flat B vector) expected")
+        raise ValueError(f"the optimizer holds state for {len(state)} parameters; "
+                         f"one (the flat B vector) expected")
     own = next(iter(state.values()), {})
     tensors = {ADAM + k: v for k, v in own.items() if torch.is_tensor(v) and v.dim() > 0}
     scalars = {k: float(v) for k, v in own.items() if ADAM + k not in tensors}
@@ -177,8 +181,9 @@ def agreed_round(cfg: TrainConfig, control: "Control", nodes: Sequence[int], fin
             f"resume auto: the checkpoints in {root} reach round {newest}, beyond k_outer={cfg.k_outer}: "
             f"pass k_outer={newest} or more to continue that run, or choose a new out=")
     if agreed and agreed not in mine:
-        raise CheckpointError(f"resume auto: round {agreed} is the last every rank completed but the files of "
-                              f"node(s) {list(nodes)} for it are gone from {ckpt.round_dir(root, agreed)}: "
+        raise CheckpointError(f"resume auto: round {agreed} is the last every rank completed but the files "
+                              f"of node(s) {list(nodes)} for it are gone from "
+                              f"{ckpt.round_dir(root, agreed)}: "
                               "restore them, or start again with overwrite=true")
     return agreed
 
@@ -207,8 +212,9 @@ def restore_round(cfg: TrainConfig, agreed: int, run: Checkpointed, *, fingerpri
     if again is not None:
         kept = [tensors.get(COLLECTED_UNDER) for tensors, _ in loaded.values()]
         if any(v is None for v in kept):
-            raise CheckpointError(f"checkpoint {where} lacks the states of collection {again}: the file is damaged "
-                                  "or from another version; delete that round folder to resume from the one before")
+            raise CheckpointError(f"checkpoint {where} lacks the states of collection {again}: the file is "
+                                  "damaged or from another version; delete that round folder to resume from "
+                                  "the one before")
         recollect(again, [v.to(device) for v in kept])
     for node, (tensors, meta) in loaded.items():
         st = run.nodes[node]
@@ -218,7 +224,8 @@ def restore_round(cfg: TrainConfig, agreed: int, run: Checkpointed, *, fingerpri
                 st.sampler.load_state_dict(meta["sampler"])
             torch.set_rng_state(tensors["rng_cpu"])
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"checkpoint {where}/node-{node} does not fit this run ({type(e).__name__}): "
+            raise CheckpointError(f"checkpoint {where}/node-{node} does not fit this run "
+                                  f"({type(e).__name__}): "
                                   "delete that round folder to resume from the one before") from None
         if meta["best"] is not None:
             run.best = BestRound.from_state_dict(dict(meta["best"], z=tensors[BEST_Z].to(device)))

@@ -61,7 +61,8 @@ from admm_dist.training.state import BestRound, NodeState, RunRecord
 from admm_dist.training.tracking import Tracker, final_scalars, round_scalars
 
 
-def build_communicator(cfg: TrainConfig, ctx: DistContext, placement: Placement) -> Tuple[Communicator, RankMesh]:
+def build_communicator(cfg: TrainConfig, ctx: DistContext,
+                       placement: Placement) -> Tuple[Communicator, RankMesh]:
     """The communicator of this launch and where this rank sits: a block of nodes per rank under
     torchrun (W <= N), or k ranks per node (W = k x N, the leaders carrying the consensus); all
     nodes in one process otherwise (``placement`` has refused any other W)."""
@@ -73,9 +74,9 @@ def build_communicator(cfg: TrainConfig, ctx: DistContext, placement: Placement)
         if k > 1:
             check_micro_batches(cfg.micro_batches, k)
             if cfg.shard_backbone and (pipeline.needs_collection(cfg) or cfg.recollect_every):
-                raise UserError("shard_backbone=true with on-policy collection: the ranks of a seat generate "
-                                "different rollouts, which a sharded backbone cannot serve; collect without it "
-                                "(drop shard_backbone=) or train from a fit set (fitset_cache=)")
+                raise UserError("shard_backbone=true with on-policy collection: the ranks of a seat "
+                                "generate different rollouts, which a sharded backbone cannot serve; collect "
+                                "without it (drop shard_backbone=) or train from a fit set (fitset_cache=)")
         backend = "process_group"
     else:
         if cfg.backend == "process_group":
@@ -126,7 +127,8 @@ class Trainer:
         self.fit_digest: Optional[str] = None   # content of the first fit set (fingerprint)
         self.dev_encoded: Dict[int, list] = {}  # each node's held-out share, tokenized once
         self.best: Optional[BestRound] = None
-        self.collected_under: Optional[List[torch.Tensor]] = None   # each local node's state at the last re-collection
+        # each local node's state at the last re-collection
+        self.collected_under: Optional[List[torch.Tensor]] = None
         self.tracked_dw: Optional[Tuple[int, float]] = None   # (round, delta_w_rel of z_0) track() logged
         self.t_start = time.time()
 
@@ -160,7 +162,8 @@ class Trainer:
             self.model.enable_input_require_grads()
         self.check_basis()
         self.ocfg = cfg.objective_config()
-        self.local_steps = LocalSteps(cfg, self.model, self.adapter, self.ocfg, self.tokenizer.pad_token_id, self.seat)
+        self.local_steps = LocalSteps(cfg, self.model, self.adapter, self.ocfg, self.tokenizer.pad_token_id,
+                                      self.seat)
         self.init_vec = None
         self.ref_vecs: Dict[int, torch.Tensor] = {}   # kl_ref collect after a re-collection: node -> state
         if cfg.init_state:
@@ -207,8 +210,8 @@ class Trainer:
         """Roll out the MAS on this collection's training queries (every rank a share)."""
         f = self.collections.fitset(collection, states, model=self.model, tokenizer=self.tokenizer,
                                     adapter=self.adapter)
-        record_collection(self.cfg, f, collection, record=self.record, report=self.report, tracker=self.tracker,
-                          talk=self.talk, rank=self.rank)
+        record_collection(self.cfg, f, collection, record=self.record, report=self.report,
+                          tracker=self.tracker, talk=self.talk, rank=self.rank)
         if collection == 0:
             self.fit_digest = fs.content_key(f)
         return f
@@ -254,7 +257,8 @@ class Trainer:
             pipeline.check_context(cfg, self.model, enc)
             self.reference(enc, self.ref_vecs.get(node, self.init_vec if cfg.kl_ref == "collect" else None))
             self.state[node].encoded = enc
-            self.state[node].sampler = RoleBalancedSampler(enc, cfg.batch_size, cfg.seed * SAMPLER_SALT + node,
+            self.state[node].sampler = RoleBalancedSampler(enc, cfg.batch_size,
+                                                           cfg.seed * SAMPLER_SALT + node,
                                                            balance=not cfg.no_role_balance)
 
     def reference(self, enc, vec: Optional[torch.Tensor]) -> None:
@@ -300,7 +304,8 @@ class Trainer:
         held = self.control.per_rank([*held_bytes(self.model), rss])   # every rank's, once loaded
         self.report.memory = {key: [int(r[i]) for r in held] for i, key in enumerate(MEMORY_FIGURES)}
         if self.ctx.env.is_distributed:
-            size = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if "lora_" not in n)
+            size = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters()
+                       if "lora_" not in n)
             self.talk(self.placement.backbone(size, [r[0] for r in held], cfg.shard_backbone))
         if cfg.dry_run:
             self.talk("dry run: fit sets built, stopping before any gradient step")
@@ -313,7 +318,8 @@ class Trainer:
         root = ckpt.ckpt_root(cfg.out)
         if self.agree_preempt():   # the warning came while loading, collecting or resuming
             raise Preempted(self.engine.round, in_setup=True)
-        self.tracker = self.outputs.open_tracker(self.control, self.fingerprint, self.engine.round, self.record)
+        self.tracker = self.outputs.open_tracker(self.control, self.fingerprint, self.engine.round,
+                                                 self.record)
         with progress.bar(total=cfg.k_outer, initial=self.engine.round, desc="rounds", unit="round",
                           show=self.show) as bar:
             while self.engine.round < cfg.k_outer:
@@ -417,8 +423,10 @@ class Trainer:
         report.backend = self.comm.__class__.__name__
         report.placement = [list(b) for b in self.placement.rank_blocks()]
         counts = [self.comm.meter.total(phase=phase) for phase in BYTE_PHASES]   # this rank's, the whole run
-        cols = list(zip(*self.control.per_rank([n for c in counts for n in (c.sent, c.recv)])))   # every rank's
-        report.bytes_per_rank = {ph: {"sent": [int(v) for v in cols[2 * i]], "recv": [int(v) for v in cols[2 * i + 1]]}
+        # every rank's
+        cols = list(zip(*self.control.per_rank([n for c in counts for n in (c.sent, c.recv)])))
+        report.bytes_per_rank = {ph: {"sent": [int(v) for v in cols[2 * i]],
+                                      "recv": [int(v) for v in cols[2 * i + 1]]}
                                  for i, ph in enumerate(BYTE_PHASES)}
         report.train_sec = round(time.time() - self.t_start, 2)
         deploy_local = cfg.local_only or not self.comm.exact
@@ -426,7 +434,8 @@ class Trainer:
         # z_0's figure at this round was measured once already, for the trackers: reuse it
         known = (self.tracked_dw[1] if self.tracked_dw is not None and not cfg.local_only
                  and self.tracked_dw[0] == self.engine.round else None)
-        dw = [known if j == 0 and known is not None else delta_w_rel(self.adapter, v, cfg.lora_alpha, cfg.lora_rank)
+        dw = [known if j == 0 and known is not None
+              else delta_w_rel(self.adapter, v, cfg.lora_alpha, cfg.lora_rank)
               for j, v in enumerate(result)]
         dws = self.control.table(torch.tensor([[d] for d in dw], dtype=torch.float64))
         dw_all = [float(v) for v in dws[:, 0]]

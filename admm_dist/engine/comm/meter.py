@@ -70,7 +70,8 @@ class ByteMeter:
 
 
 def chunk_sizes(numel: int, n: int) -> List[int]:
-    """Split ``numel`` elements into ``n`` near-equal chunks (:func:`~admm_dist.engine.placement.even_split`)."""
+    """Split ``numel`` elements into ``n`` near-equal chunks
+    (:func:`~admm_dist.engine.placement.even_split`)."""
     return [len(r) for r in even_split(numel, n)]
 
 
