@@ -1,4 +1,5 @@
-"""Compressed payloads: int8, fp8 (e4m3) or int4 codes with one fp32 scale per block of values.
+"""Compressed payloads: int8, fp8 (e4m3) or int4 codes with one fp32 scale per block of values,
+or bf16 values (no scale).
 
 A vector of P values is cut into blocks of :data:`BLOCK` (the last one shorter); each block gets
 the scale ``absmax / qmax`` (qmax 127 for int8, 448 for e4m3, 7 for int4), and each value the code
@@ -9,7 +10,9 @@ fp32 scale then its codes, so the meter and the wire count the scales too, and a
 boundary is a payload of its own: the transport encodes, sends and decodes a message piece by
 piece (:meth:`Communicator.relay`). A payload decodes to the same fp32 values on every rank (codes
 times scale, one multiplication per value), which is what lets every holder of a public copy keep
-it bit-identical to the sender's, however the message was cut.
+it bit-identical to the sender's, however the message was cut. ``bf16`` is the half-width
+payload: each value rounded to the nearest bfloat16 (ties to even), 2 bytes, no scale, exactly
+half the fp32 bytes; it decodes to fp32 exactly, so the same holds.
 
 The compressor is deterministic and contractive (||v - Q(v)|| <= delta ||v||, delta < 1), the
 class CHOCO-Gossip (Koloskova, Stich, Jaggi 2019) converges with. Compressing a vector itself
@@ -233,8 +236,36 @@ class Int4Codec(ScaledCodec):
         work.sub_(8)
 
 
+class Bf16Codec(Codec):
+    """bfloat16 values: each rounded to the nearest bf16 (ties to even), 2 bytes, no scale. A
+    block is :data:`BLOCK` values (where a message is cut), nothing more."""
+
+    name, block_bytes = "bf16", 2 * BLOCK
+
+    def payload_bytes(self, numel: int) -> int:
+        return 2 * numel
+
+    def encode_(self, out: torch.Tensor, v: torch.Tensor,
+                public: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if public is not None:
+            v = torch.sub(v, public, out=self._buf("change", v.numel(), torch.float32, v.device))
+        codes = out.view(torch.bfloat16)
+        codes.copy_(v)   # round to nearest, ties to even
+        if public is not None:   # what every receiver decodes: the bf16 value as fp32
+            public.add_(self._buf("work", v.numel(), torch.float32, v.device).copy_(codes))
+        return out
+
+    def decode_(self, out: torch.Tensor, payload: torch.Tensor, add: bool = False) -> torch.Tensor:
+        codes = payload.view(torch.bfloat16)
+        if add:
+            out.add_(self._buf("work", out.numel(), torch.float32, out.device).copy_(codes))
+        else:
+            out.copy_(codes)
+        return out
+
+
 # The payload formats, by the name ``compress`` gives them: the one place a format is added.
-FORMATS: Dict[str, Type[Codec]] = {c.name: c for c in (Int8Codec, Fp8Codec, Int4Codec)}
+FORMATS: Dict[str, Type[Codec]] = {c.name: c for c in (Int8Codec, Fp8Codec, Int4Codec, Bf16Codec)}
 COMPRESSIONS: Tuple[str, ...] = ("none", *FORMATS)
 
 

@@ -37,7 +37,7 @@ def test_the_table_puts_every_n_side_by_side_with_each_cells_wire_time():
 
 def test_the_codecs_rates_are_measured_for_every_payload():
     rows = links.codec_rates(numel=1 << 14, reps=1)
-    assert [r["compress"] for r in rows] == ["int8", "fp8", "int4"]
+    assert [r["compress"] for r in rows] == ["int8", "fp8", "int4", "bf16"]
     assert all(r[k] > 0 for r in rows for k in ("encode_gbps", "encode_change_gbps", "decode_add_gbps"))
     assert "int4" in links.format_codecs(rows)
 

@@ -1,5 +1,5 @@
-"""The int8 / fp8 / int4 block codec, and compressed consensus in one process: the public-copy
-schemes reach the least-squares optimum itself, on every mode."""
+"""The int8 / fp8 / int4 block codec and the bf16 codec, and compressed consensus in one process:
+the public-copy schemes reach the least-squares optimum itself, on every mode."""
 import pytest
 import torch
 
@@ -16,7 +16,8 @@ def test_a_payload_is_codes_and_block_scales_and_decodes_within_the_formats_step
     v[0] = 0.0
     payload = encode(v, compress)
     codes = p if compress != "int4" else p // BLOCK * BLOCK // 2 + (p % BLOCK + 1) // 2   # two to a byte
-    assert payload.dtype == torch.uint8 and payload.numel() == payload_bytes(p, compress) == codes + 4 * -(-p // BLOCK)
+    assert payload.dtype == torch.uint8
+    assert payload.numel() == payload_bytes(p, compress) == codes + 4 * -(-p // BLOCK)
     out = decode_(torch.empty(p), payload, compress)
     # every value within half an int8 step (or e4m3's relative step) of its block's absmax
     for lo in range(0, p, BLOCK):
@@ -31,12 +32,42 @@ def test_int8_and_fp8_cost_about_a_quarter_of_fp32_int4_under_015_and_unknown_na
     assert payload_bytes(p, "none") == 4 * p
     assert payload_bytes(p, "int8") / (4 * p) == pytest.approx(0.2656, abs=1e-4)
     assert payload_bytes(p, "fp8") == payload_bytes(p, "int8")
-    assert payload_bytes(p, "int4") / (4 * p) == pytest.approx(0.1406, abs=1e-4) and payload_bytes(p, "int4") <= 0.15 * 4 * p
+    assert payload_bytes(p, "int4") / (4 * p) == pytest.approx(0.1406, abs=1e-4)
+    assert payload_bytes(p, "int4") <= 0.15 * 4 * p
     with pytest.raises(UserError, match="choose one of none, int8, fp8, int4"):
         check_compress("int2")
 
 
-@pytest.mark.parametrize("compress", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("p", [1, BLOCK - 1, BLOCK, BLOCK + 1, 1001])
+def test_a_bf16_payload_is_the_values_rounded_to_nearest_even_in_half_the_bytes(p):
+    """2 bytes a value, no scale; each value the nearest bfloat16 (ties to even), which decodes
+    to fp32 exactly: within 2^-8 of each value, so ||v - Q(v)|| <= 2^-8 ||v|| (contractive)."""
+    v = torch.randn(p, generator=torch.Generator().manual_seed(p)) * 3
+    v[0] = 0.0
+    payload = encode(v, "bf16")
+    assert payload.dtype == torch.uint8 and payload.numel() == payload_bytes(p, "bf16") == 2 * p
+    out = decode_(torch.empty(p), payload, "bf16")
+    assert torch.equal(out, v.to(torch.bfloat16).float())
+    assert bool(((out - v).abs() <= 2.0 ** -8 * v.abs()).all())
+    assert float((out - v).norm()) <= 2.0 ** -8 * float(v.norm())
+    assert torch.equal(decode_(torch.empty(p), payload.clone(), "bf16"), out)   # deterministic
+    assert torch.equal(decode_(torch.empty(5), encode(torch.zeros(5), "bf16"), "bf16"), torch.zeros(5))
+
+
+def test_bf16_rounds_halfway_values_to_the_even_neighbour():
+    """1 + 2^-8 lies halfway between 1 and 1 + 2^-7 (bf16 keeps 7 fraction bits): it goes to 1,
+    the even one; 1 + 3 * 2^-8, halfway between 1 + 2^-7 and 1 + 2^-6, goes up to the even 1 + 2^-6."""
+    ties = torch.tensor([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8), 1 + 2.0 ** -8 + 2.0 ** -20])
+    got = decode_(torch.empty(4), encode(ties, "bf16"), "bf16")
+    assert got.tolist() == [1.0, 1 + 2.0 ** -6, -1.0, 1 + 2.0 ** -7]
+
+
+def test_bf16_costs_exactly_half_of_fp32():
+    for p in (1, BLOCK + 1, 1 << 20):
+        assert payload_bytes(p, "bf16") * 2 == payload_bytes(p, "none")
+
+
+@pytest.mark.parametrize("compress", ["int8", "fp8", "int4", "bf16"])
 @pytest.mark.parametrize("p", [BLOCK * 40, BLOCK * 40 + 13])
 def test_a_payload_cut_at_block_boundaries_is_the_payloads_of_its_pieces(compress, p):
     """What lets the transport encode, send and decode a message piece by piece: every cut at a
@@ -61,7 +92,7 @@ def test_a_payload_cut_at_block_boundaries_is_the_payloads_of_its_pieces(compres
 
 @pytest.mark.parametrize("mode,topology", [("ring", "ring"), ("coordinator", "ring"),
                                            ("decentralized", "ring"), ("decentralized", "chain")])
-@pytest.mark.parametrize("compress", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("compress", ["int8", "fp8", "int4", "bf16"])
 def test_compressed_modes_reach_the_optimum_not_a_neighbourhood(mode, topology, compress):
     """Least squares, 4 nodes, exact x-steps: the change against a public copy is what is
     quantized, so the error of the codec vanishes with the iterates' changes."""
@@ -85,7 +116,7 @@ def test_compressed_gossip_keeps_the_seeds_fixed_point():
         assert float((a - b).norm() / b.norm()) <= 1e-4
 
 
-@pytest.mark.parametrize("compress", ["int8", "int4"])
+@pytest.mark.parametrize("compress", ["int8", "int4", "bf16"])
 def test_the_public_copies_are_per_node_state_that_restores_the_run(compress):
     """Stopping after 30 rounds and restoring x, z, u and each node's public copies into a new
     engine continues bit for bit."""

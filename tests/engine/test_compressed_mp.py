@@ -16,8 +16,9 @@ from wire import launch_in_netns, wire_bytes
 
 N, P, CALLS = 4, 1001, 3
 SPECS = [("ring", "ring", 1, "int8"), ("coordinator", "ring", 1, "fp8"), ("gossip", "ring", 2, "int8"),
-         ("decentralized", "chain", 1, "int8"), ("decentralized", "complete", 1, "fp8"), ("ring", "ring", 1, "int4"),
-         ("decentralized", "ring", 1, "int4")]
+         ("decentralized", "chain", 1, "int8"), ("decentralized", "complete", 1, "fp8"),
+         ("ring", "ring", 1, "int4"), ("decentralized", "ring", 1, "int4"), ("ring", "ring", 1, "bf16"),
+         ("gossip", "chain", 2, "bf16")]
 
 
 def _vec(node, call):
@@ -27,14 +28,15 @@ def _vec(node, call):
 def _blocks_run(ctx, piece):
     out = {}
     for mode, topo, tau, compress in SPECS:
-        comm = ProcessGroupCommunicator(mode=mode, n_nodes=N, topology=topo, gossip_steps=tau, timeout=ctx.timeout,
-                                        compress=compress)
+        comm = ProcessGroupCommunicator(mode=mode, n_nodes=N, topology=topo, gossip_steps=tau,
+                                        timeout=ctx.timeout, compress=compress)
         if piece:   # many pieces a message: each encoded, sent and decoded while the next moves
             comm.coded_bytes = piece
         for call in range(CALLS):   # the public copies carry over from call to call
             vs = [_vec(node, call) for node in comm.nodes]
             comm.consensus_(vs)
-        out[(mode, topo, tau, compress)] = {node: (v, comm.node_state(node)) for node, v in zip(comm.nodes, vs)}
+        out[(mode, topo, tau, compress)] = {node: (v, comm.node_state(node))
+                                            for node, v in zip(comm.nodes, vs)}
     return out
 
 
@@ -53,11 +55,13 @@ def test_compressed_consensus_is_the_oracles_bit_for_bit_on_any_number_of_ranks(
             for node, (v, state) in res[r][spec].items():
                 assert torch.equal(v, want[node]), (spec, world, node)
                 ref = oracle.node_state(node)
-                assert state.keys() == ref.keys() and all(torch.equal(state[k], ref[k]) for k in ref), (spec, node)
+                assert state.keys() == ref.keys(), (spec, node)
+                assert all(torch.equal(state[k], ref[k]) for k in ref), (spec, node)
 
 
 LSQ = [("ring", "ring", "int8"), ("decentralized", "ring", "int8"), ("decentralized", "expander", "fp8"),
-       ("ring", "ring", "int4"), ("decentralized", "ring", "int4")]
+       ("ring", "ring", "int4"), ("decentralized", "ring", "int4"), ("coordinator", "ring", "bf16"),
+       ("decentralized", "ring", "bf16")]
 ROUNDS = 100
 
 
@@ -65,7 +69,8 @@ def _lsq(ctx):
     out = {}
     prob = LeastSquares(n_nodes=ctx.world_size, dim=15, rows=24, seed=11)
     for mode, topo, compress in LSQ:
-        comm = make_communicator(mode, n_nodes=ctx.world_size, topology=topo, timeout=ctx.timeout, compress=compress)
+        comm = make_communicator(mode, n_nodes=ctx.world_size, topology=topo, timeout=ctx.timeout,
+                                 compress=compress)
         engine = ADMMEngine(comm, ADMMConfig(rho=1.0), [torch.zeros(15)])
         engine.run(prob.exact_xstep(), ROUNDS)
         out[(mode, topo, compress)] = (engine.x[0], engine.z[0], engine.history[-1].bytes_sent)
@@ -87,11 +92,12 @@ def test_compressed_admm_reaches_the_optimum_on_five_ranks_as_the_oracle_does():
             x, z, sent = res[r][spec]
             assert float((x.double() - x_star).norm() / x_star.norm()) <= 1e-5, (spec, r)
             assert torch.equal(x, oracle.x[r]) and torch.equal(z, oracle.z[r]), (spec, r)
-            assert sent == oracle.history[-1].bytes_sent == [oracle.comm.analytic_bytes(15, i) for i in range(n)]
+            assert sent == oracle.history[-1].bytes_sent
+            assert sent == [oracle.comm.analytic_bytes(15, i) for i in range(n)]
 
 
 WIRE = [(mode, "ring", compress) for mode in ("ring", "coordinator", "decentralized", "gossip")
-        for compress in ("none", "int8", "fp8", "int4")]
+        for compress in ("none", "int8", "fp8", "int4", "bf16")]
 
 
 def _wire(ctx, p):
@@ -119,8 +125,45 @@ def test_int8_and_fp8_put_under_three_tenths_of_the_fp32_bytes_on_the_wire_and_i
     for mode, topo, compress in WIRE:
         wire, fp32 = res[(mode, topo, compress)][0], res[(mode, topo, "none")][0]
         print(f"{mode} {compress}: {wire} B on the wire, {wire / fp32:.3f} of fp32")
-        if compress != "none":
+        if compress == "bf16":   # half the bytes and gloo's headers
+            assert wire <= 0.51 * fp32, (mode, compress, wire, fp32)
+        elif compress != "none":
             assert wire <= (0.15 if compress == "int4" else 0.30) * fp32, (mode, compress, wire, fp32)
+
+
+BYTES = [(mode, topo, tau) for mode, topo, tau in [("ring", "ring", 1), ("coordinator", "ring", 1),
+                                                   ("gossip", "chain", 2), ("decentralized", "complete", 1)]]
+
+
+def _metered(ctx, p):
+    """The consensus bytes this rank's node sent and received in one consensus_, per (mode, compress)."""
+    out = {}
+    for mode, topo, tau in BYTES:
+        for compress in ("none", "bf16"):
+            comm = make_communicator(mode, n_nodes=ctx.world_size, topology=topo, gossip_steps=tau,
+                                     timeout=ctx.timeout, compress=compress)
+            comm.consensus_([torch.randn(p, generator=torch.Generator().manual_seed(ctx.rank))])
+            c = comm.meter.total(node=ctx.rank, phase="consensus")
+            out[(mode, compress)] = (c.sent, c.recv, comm.analytic_bytes(p, ctx.rank))
+    return out
+
+
+@pytest.mark.parametrize("world,p", [(3, P), (4, 1000)])
+def test_bf16_sends_exactly_half_the_fp32_bytes(world, p):
+    """2 bytes a value and no scale: on every mode the metered consensus bytes of bf16 are half
+    fp32's, exactly: what each node sends (the exact mean: for 3 nodes, or chunks of one length),
+    and in all. The owner scheme sends each chunk of the change once and gets each chunk of the
+    mean once: a ring all-reduce's bytes."""
+    res = launch_cpu(_metered, world, p, timeout_s=60)
+    for mode, _, _ in BYTES:
+        for r in range(world):
+            (sent32, _, an32), (sent16, _, an16) = res[r][(mode, "none")], res[r][(mode, "bf16")]
+            assert sent16 == an16 and sent32 == an32, (mode, r)
+            assert 2 * sent16 == sent32, (mode, r, sent16, sent32)
+        recv = {c: sum(res[r][(mode, c)][1] for r in range(world)) for c in ("none", "bf16")}
+        assert 2 * recv["bf16"] == recv["none"], (mode, recv)
+        sent = {c: sum(res[r][(mode, c)][0] for r in range(world)) for c in ("none", "bf16")}
+        print(f"{mode}: bf16 sends {sent['bf16']} B, fp32 {sent['none']} B: {sent['bf16'] / sent['none']}")
 
 
 def _garbage(ctx, mode):
