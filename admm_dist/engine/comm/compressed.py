@@ -1,5 +1,5 @@
-"""Compressed consensus (``compress int8 | fp8 | int4``): every payload is a node's *change* against a
-public copy that sender and receivers keep bit-identical, so the error of the compressor
+"""Compressed consensus (``compress int8 | fp8 | int4 | bf16``): every payload is a node's *change*
+against a public copy that sender and receivers keep bit-identical, so the error of the compressor
 (:mod:`admm_dist.engine.codec`) vanishes as the iterates settle and ADMM reaches the
 optimum itself, not a neighbourhood of it.
 
