@@ -24,11 +24,11 @@ REPO = Path(__file__).resolve().parents[1]
 # collection order (--dist loadfile), so a long file left to the end keeps one worker busy while
 # the other has nothing left to do. Every other file keeps its place after them.
 LONGEST_FIRST = (
-    "model/test_smollm2.py", "launch/test_multinode.py", "launch/test_slurm.py",
+    "launch/test_elastic.py", "model/test_smollm2.py", "launch/test_multinode.py", "launch/test_slurm.py",
     "engine/test_preemption.py", "training/test_trainer_placement.py", "training/test_trainer_onpolicy.py",
-    "training/test_trainer.py", "benchmarks/test_kill_resume.py", "launch/test_elastic.py",
-    "benchmarks/test_bench_fidelity.py", "launch/test_cpu_default_tracked.py", "bench/test_gpu_check.py",
-    "mas/test_collection.py", "cli/test_interrupt.py",
+    "training/test_trainer.py", "training/test_trainer_seat_groups.py", "benchmarks/test_kill_resume.py",
+    "benchmarks/test_bench_fidelity.py", "bench/test_gpu_check.py", "benchmarks/test_placement.py",
+    "launch/test_cpu_default_tracked.py", "mas/test_collection.py", "cli/test_interrupt.py",
 )
 
 

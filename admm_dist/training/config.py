@@ -212,9 +212,10 @@ class TrainConfig:
     gossip_steps: int = key(1, "gossip mixing steps tau per z-step (consensus gossip only)", group=ADMM,
                             at_most=MAX_GOSSIP_STEPS)
     compress: str = key("none",
-                        "z-step payload: none (fp32), or a format of admm_dist/engine/codec.py (int8, fp8 "
-                        "about 0.27x the bytes, int4 0.14x, bf16 0.5x: docs/engine.md) for each node's change "
-                        "against a public copy (exact at convergence)", choices=COMPRESSIONS, group=ADMM)
+                        "z-step payload: none (fp32), or a format of admm_dist/engine/codec.py (int8, "
+                        "fp8 about 0.27x the bytes, int4 0.14x, bf16 0.5x: docs/engine.md) for each "
+                        "node's change against a public copy (exact at convergence)", choices=COMPRESSIONS,
+                        group=ADMM)
     local_only: bool = from_component(ADMMConfig, "local_only", group=ADMM)
     no_dual: bool = from_component(ADMMConfig, "no_dual", group=ADMM)
     rho_adapt: bool = from_component(ADMMConfig, "rho_adapt", group=ADMM)

@@ -2,7 +2,10 @@
 
 Nothing here depends on training helping: the checks are on the structure and the arithmetic
 of the statistics, which hold for any outcome."""
+import contextlib
+import io
 import json
+import subprocess
 
 import numpy as np
 import pytest
@@ -23,15 +26,38 @@ RUN = ("ADMM-ring", "ADMM-decentralized-int8", "Centralized")
 REFUSED = "ADMM-NoDual"
 
 
+class _JobsInThisProcess:
+    """What the benchmark's worker threads see as ``subprocess``: a job's command (``python -m
+    benchmarks.fidelity ARGV --job JOB``) runs as that interpreter would run it, fidelity.main
+    with its arguments, but in this process, whose torch, transformers and PEFT are imported
+    already: the start-up of an interpreter was three quarters of a job's time here (about 25 of
+    the run's 35 s of CPU). The jobs run one at a time (--jobs 1: never two trainings in one
+    process at once). The worker as a process of its own, and its failure's one line, are
+    test_a_seeds_fit_set_of_other_settings_stops_the_run_in_one_line's (and, with a job that
+    succeeds, the slow test_select_best_deploys_...)."""
+    TimeoutExpired = subprocess.TimeoutExpired
+
+    @staticmethod
+    def run(cmd, env=None, capture_output=True, text=True, timeout=None):
+        assert cmd[1:3] == ["-m", "benchmarks.fidelity"] and "--job" in cmd, cmd
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            rc = fidelity.main(cmd[3:])
+        return subprocess.CompletedProcess(cmd, rc, "", err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fidelity")
     out = tmp / "b.json"
     png = tmp / "b.png"
-    argv = ["--seeds", "3", "--eval_n", "8", "--sampled_n", "4", "--samples", "2", "--boot", "200", "--jobs", "2",
-            "--arms", ",".join((*RUN, REFUSED)), "--workdir", str(tmp / "work"), "--json", str(out),
-            "--png", str(png), *TINY, "rho_adapt=true", "recollect_every=1", "recollect_anchors=4"]
-    rc = fidelity.main(argv)
+    argv = ["--seeds", "3", "--eval_n", "8", "--sampled_n", "4", "--samples", "2", "--boot", "200",
+            "--jobs", "1", "--arms", ",".join((*RUN, REFUSED)), "--workdir", str(tmp / "work"),
+            "--json", str(out), "--png", str(png), *TINY, "rho_adapt=true", "recollect_every=1",
+            "recollect_anchors=4"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fidelity, "subprocess", _JobsInThisProcess)
+        rc = fidelity.main(argv)
     return rc, json.loads(out.read_text()) if out.exists() else None, png, tmp, argv
 
 
@@ -219,11 +245,19 @@ def test_a_seeds_fit_set_of_other_settings_stops_the_run_in_one_line(tmp_path, c
     user as one line naming the job and the fix, not a worker's traceback."""
     from admm_dist.demo.synthetic import write_fitset
 
+    from benchmarks.fidelity_run import job_key
+
     (tmp_path / "w" / "seed3").mkdir(parents=True)
     write_fitset(str(tmp_path / "w" / "seed3" / "fitset.jsonl"), settings={"task": "synthetic", "n_agents": 4},
                  per_seat=2)
-    rc = fidelity.main(["--seeds", "3", "--arms", "ADMM-ring", "--eval_n", "4", "--samples", "0",
-                        "--workdir", str(tmp_path / "w"), *TINY])
+    argv = ["--seeds", "3", "--arms", "ADMM-ring", "--eval_n", "4", "--samples", "0",
+            "--workdir", str(tmp_path / "w"), "--reuse", *TINY]
+    # the base's rows from an earlier run, which --reuse keeps: the collection is the one job a
+    # worker process starts for (an interpreter fewer)
+    base = {"job": BASE, "key": job_key(fidelity.parse_args(argv), BASE), "rows": {"greedy": [0.0] * 4},
+            "seconds": 0.0}
+    (tmp_path / "w" / "base.json").write_text(json.dumps(base))
+    rc = fidelity.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert "job seed3-collect failed (exit 2)" in err[0] and "was built with different settings" in err[0]

@@ -72,7 +72,7 @@ def test_a_rank_of_a_sharded_seat_that_leaves_mid_step_is_one_line_naming_it(ass
 
 def test_a_rank_of_a_sharded_seat_that_stops_is_named_when_its_partner_times_out(assets, tmp_path, capfd,
                                                                                  monkeypatch):
-    """timeout_s=5: rank 0's gather waits that long for the stopped rank 1, then says so in one
+    """timeout_s=3: rank 0's gather waits that long for the stopped rank 1, then says so in one
     line naming it; once rank 0 has written its status, rank 1 is let go (by its PID) and takes
     the SIGTERM the agent sent it meanwhile, silently."""
     job = tmp_path / "job"
@@ -101,7 +101,7 @@ def test_a_rank_of_a_sharded_seat_that_stops_is_named_when_its_partner_times_out
     t0 = time.monotonic()
     try:
         with pytest.raises(ChildFailedError) as failed:
-            launch_cpu(_rank1_leaves_at_its_first_step, 2, _sharded(assets, tmp_path, timeout_s=5), "stop",
+            launch_cpu(_rank1_leaves_at_its_first_step, 2, _sharded(assets, tmp_path, timeout_s=3), "stop",
                        timeout_s=60, setup=False)
     finally:
         done.set()
@@ -111,7 +111,8 @@ def test_a_rank_of_a_sharded_seat_that_stops_is_named_when_its_partner_times_out
     assert "Traceback" not in err, err[-3000:]
     ours = _ours(err)
     assert len(ours) == 1, err[-3000:]
-    assert ours[0].startswith(f"{PROG} error on rank 0: a collective between ranks failed (Timed out waiting 5000ms") \
+    assert ours[0].startswith(f"{PROG} error on rank 0: a collective between ranks failed "
+                              "(Timed out waiting 3000ms") \
         and ours[0].endswith("; rank 1 stopped answering (killed, stopped or cut off)"), ours
     assert failed.value.failures[0].exitcode == 1, failed.value.failures
     status = json.loads((job / "status.json").read_text())

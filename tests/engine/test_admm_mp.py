@@ -7,6 +7,8 @@ from admm_dist.engine.comm import LocalCommunicator, make_communicator, ring_byt
 from admm_dist.bench.launcher import launch_cpu
 from admm_dist.engine.lsq import LeastSquares
 
+from trainer_runs import selected
+
 ROUNDS = 60
 DIM = 15  # not divisible by the node counts below
 
@@ -27,17 +29,41 @@ def _run(comm, n, cfg):
     return zs, us, [r.as_dict() for r in engine.history]
 
 
-def _dist_worker(ctx, mode, topology, cfg_kw):
-    comm = make_communicator(mode, n_nodes=ctx.world_size, topology=topology, timeout=ctx.timeout)
-    return _run(comm, ctx.world_size, ADMMConfig(**cfg_kw))
+def _dist_worker(ctx, runs):
+    """Every run of ``runs`` ((mode, topology, ADMMConfig keywords), in turn) on these ranks."""
+    out = []
+    for mode, topology, cfg_kw in runs:
+        comm = make_communicator(mode, n_nodes=ctx.world_size, topology=topology, timeout=ctx.timeout)
+        out.append(_run(comm, ctx.world_size, ADMMConfig(**cfg_kw)))
+    return out
 
 
-@pytest.mark.parametrize("mode,topology,n", [
-    ("coordinator", "ring", 3), ("ring", "ring", 3), ("ring", "ring", 4), ("gossip", "chain", 3),
-])
-def test_distributed_run_matches_single_process_round_by_round(mode, topology, n):
+CASES = [("coordinator", "ring", 3), ("ring", "ring", 3), ("ring", "ring", 4), ("gossip", "chain", 3)]
+ABLATIONS = (dict(rho=1.0, no_dual=True), dict(local_only=True))   # ring on 3 ranks
+
+
+@pytest.fixture(scope="module")
+def on_ranks(request):
+    """{(mode, topology, n) or ("ablation", i): {rank: (zs, us, history)}}: each world size's runs
+    (the cases this session runs, and the ablations when it runs them) in ONE launch of that
+    many gloo ranks, not one launch a run."""
+    test = "test_distributed_run_matches_single_process_round_by_round"
+    runs = {(mode, topo, n): (mode, topo, dict(rho=1.0))
+            for mode, topo, n in selected(request, test, "mode", "topology", "n")}
+    if selected(request, "test_distributed_no_dual_and_local_only"):
+        runs.update({("ablation", i): ("ring", "ring", kw) for i, kw in enumerate(ABLATIONS)})
+    out = {}
+    for n in sorted({3 if key[0] == "ablation" else key[2] for key in runs}):
+        keys = [key for key in runs if (3 if key[0] == "ablation" else key[2]) == n]
+        res = launch_cpu(_dist_worker, n, [runs[key] for key in keys], timeout_s=60)
+        out.update({key: {r: res[r][i] for r in range(n)} for i, key in enumerate(keys)})
+    return out
+
+
+@pytest.mark.parametrize("mode,topology,n", CASES)
+def test_distributed_run_matches_single_process_round_by_round(mode, topology, n, on_ranks):
     cfg_kw = dict(rho=1.0)
-    res = launch_cpu(_dist_worker, n, mode, topology, cfg_kw, timeout_s=60)
+    res = on_ranks[(mode, topology, n)]
     local = LocalCommunicator(mode=mode, n_nodes=n, topology=topology)
     zs_ref, us_ref, hist_ref = _run(local, n, ADMMConfig(**cfg_kw))
     for r in range(n):
@@ -63,10 +89,10 @@ def test_distributed_run_matches_single_process_round_by_round(mode, topology, n
         assert res[0][2][-1]["bytes_sent"] == [ring_bytes_per_rank(DIM, n, r) for r in range(n)]
 
 
-def test_distributed_no_dual_and_local_only():
+def test_distributed_no_dual_and_local_only(on_ranks):
     n = 3
-    for cfg_kw in (dict(rho=1.0, no_dual=True), dict(local_only=True)):
-        res = launch_cpu(_dist_worker, n, "ring", "ring", cfg_kw, timeout_s=60)
+    for i, cfg_kw in enumerate(ABLATIONS):
+        res = on_ranks[("ablation", i)]
         zs_ref, us_ref, _ = _run(LocalCommunicator(mode="ring", n_nodes=n), n, ADMMConfig(**cfg_kw))
         for r in range(n):
             zs, us, hist = res[r]

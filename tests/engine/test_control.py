@@ -1,6 +1,7 @@
 """Control agreement (admm_dist.engine.control): every rank gets the same answer, on the control
 group and not through the communicator, with each wait bounded; one process answers alone."""
 import datetime
+import os
 import time
 
 import pytest
@@ -58,20 +59,24 @@ def test_one_process_answers_its_own_questions():
         c.table(torch.zeros(2, 1))           # rows for another block
 
 
-def _silent_peer(ctx):
+def _silent_peer(ctx, said):
     control = GroupControl(ctx.control, [range(1), range(1, 2)], datetime.timedelta(seconds=2))
-    if ctx.rank == 1:
-        time.sleep(5)    # never answers within the bound
+    if ctx.rank == 1:     # never answers within the bound: silent until rank 0 has given up (or 60 s)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(said) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return "slept"
     try:
         control.any(True)
     except CommError as e:
         return str(e)
+    finally:
+        open(said, "w").close()
     return "answered"
 
 
-def test_an_unanswered_question_fails_within_the_bound():
+def test_an_unanswered_question_fails_within_the_bound(tmp_path):
     t0 = time.monotonic()
-    res = launch_cpu(_silent_peer, 2, timeout_s=30)
+    res = launch_cpu(_silent_peer, 2, str(tmp_path / "said"), timeout_s=30)
     assert time.monotonic() - t0 < 30
     assert res[0] == "rank 0: agreement between ranks timed out after 2s (Operation timed out!)", res[0]

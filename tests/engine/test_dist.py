@@ -86,15 +86,31 @@ def test_process_group_is_torn_down_on_failure_and_success():
         assert s["initialized_end"] is False
 
 
-def _spawned(target, each_args, gets, timeout_s):
-    """``gets`` results from spawned processes, one per args tuple of ``each_args``, each
-    ``target(*args, out)``; every process is joined (killed when stuck) on the way out; the
-    processes' exit codes come with the results."""
-    import multiprocessing as mp
+def _as_caller(env, target, *args):
+    """In a process of the fork server: this test's environment (not the one the server started
+    with), then ``target(*args)``."""
+    import os
 
-    ctx = mp.get_context("spawn")
+    os.environ.clear()
+    os.environ.update(env)
+    target(*args)
+
+
+def _spawned(target, each_args, gets, timeout_s):
+    """``gets`` results from fresh processes, one per args tuple of ``each_args``, each
+    ``target(*args, out)``; every process is joined (killed when stuck) on the way out; the
+    processes' exit codes come with the results. They are forked from the launcher's fork
+    server (torch imported there once, not once a process), with this process's environment."""
+    import multiprocessing as mp
+    import os
+
+    from admm_dist.bench.launcher import PRELOAD
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))     # as the launcher's, if this starts the server
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*args, out)) for args in each_args]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_as_caller, args=(env, target, *args, out)) for args in each_args]
     for p in procs:
         p.start()
     try:

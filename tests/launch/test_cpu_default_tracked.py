@@ -1,7 +1,7 @@
 """The CPU default (``configs/cpu/standin_onpolicy.yaml``: on-policy collection on the shipped
 stand-in backbone, 4 seats) under torchrun with ``report_to=tensorboard``, shortened (fewer
 anchors and rounds, the 4 seats on 2 gloo ranks): its event files hold the report's per-round
-primal residuals for every node, and ``python -m admm_dist.plot`` draws its report. About 40 s
+primal residuals for every node, and ``python -m admm_dist.plot`` draws its report. About 15 s
 on 2 cores."""
 import json
 import os
@@ -16,7 +16,7 @@ from admm_dist.training.tracking import event_files
 from conftest import REPO
 
 pytestmark = pytest.mark.slow
-SHORT = ["anchors=32", "k_outer=3", "local_steps=4"]
+SHORT = ["anchors=16", "k_outer=2", "local_steps=2"]   # 2 rounds: a curve per node, one collection
 
 
 def test_the_cpu_default_tracked_in_tensorboard_and_plotted(tmp_path):

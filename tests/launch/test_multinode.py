@@ -11,6 +11,7 @@ and util-linux (ip, nsenter, unshare), and permission to create network namespac
 import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -84,10 +85,13 @@ def test_two_nodes_preempted_requeued_match_an_uninterrupted_run(two_nodes, asse
     assert sorted(p.split("-rank")[0] for p in pids) == [names[0]] * 2 + [names[1]] * 2, pids
     t_usr2 = time.monotonic()
     cluster.signal_batch(job)
-    info = cluster.wait_done(job, 400)
-    t_done = time.monotonic()
-    # the reference: this host, uninterrupted, same config
-    ref = reference(assets, sub / "ref", k_outer=K)
+    # the reference (this host, uninterrupted, same config) meanwhile: the job stops, then waits
+    # out its requeue (AuthInfo=cred_expire) before it starts again
+    with ThreadPoolExecutor(1) as pool:
+        uninterrupted = pool.submit(reference, assets, sub / "ref", k_outer=K)
+        info = cluster.wait_done(job, 400)
+        t_done = time.monotonic()
+        ref = uninterrupted.result()
     log = log_of(sub, job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", (info, log[-3000:])
     # every worker on both nodes was asked, by each node's pid files: each node reads all of

@@ -14,6 +14,8 @@ from admm_dist.mas.collection import PRESCREEN_SALT, Collector, gather_json
 from admm_dist.tasks.chain_arith import load_chain_arith
 from admm_dist.demo import standin
 
+from trainer_runs import selected
+
 SEATS = [0, 1, 2, 3]
 
 
@@ -113,7 +115,11 @@ def test_judge_reward_is_not_collected_on_policy(runner):
         Collector(runner, "chain_arith", SEATS, reward="judge")
 
 
-def _collect_on_ranks(ctx, credit):
+CREDITS = ["shared", "per_role"]
+
+
+def _collect_on_ranks(ctx, credits):
+    """Each credit's collection on this rank (the model loaded once for all of them)."""
     import torch
 
     from admm_dist.engine.comm import make_communicator
@@ -121,20 +127,31 @@ def _collect_on_ranks(ctx, credit):
     model, tok = standin.load()
     run = ChainRunner(model, tok, ChainConfig(n_agents=4, words="compact", max_new_tokens=16, batch_size=256))
     comm = make_communicator("coordinator", n_nodes=ctx.world_size, timeout=ctx.timeout)
-    col = Collector(run, "chain_arith", SEATS, group=3, credit=credit, seed=4, chunk=2,
-                    rank=ctx.rank, world=ctx.world_size, exchange=gather_json(comm, torch.device("cpu"), ctx.timeout))
-    exs, stats = col.collect(_items(7))
-    return json.dumps([dataclasses.asdict(e) for e in exs]), json.dumps(stats, sort_keys=True)
+    out = {}
+    for credit in credits:
+        col = Collector(run, "chain_arith", SEATS, group=3, credit=credit, seed=4, chunk=2, rank=ctx.rank,
+                        world=ctx.world_size, exchange=gather_json(comm, torch.device("cpu"), ctx.timeout))
+        exs, stats = col.collect(_items(7))
+        out[credit] = json.dumps([dataclasses.asdict(e) for e in exs]), json.dumps(stats, sort_keys=True)
+    return out
 
 
-@pytest.mark.parametrize("credit", ["shared", "per_role"])
-def test_three_gloo_ranks_collect_the_same_fit_set_as_one_process(runner, credit):
+@pytest.fixture(scope="module")
+def on_three_ranks(request):
+    """{rank: {credit: (fit set, stats)}}: every credit this session runs
+    test_three_gloo_ranks_collect_the_same_fit_set_as_one_process with, collected on 3 gloo ranks
+    in ONE launch (the ranks' start-up and model load paid once, not once a credit)."""
+    credits = selected(request, "test_three_gloo_ranks_collect_the_same_fit_set_as_one_process", "credit")
+    return launch_cpu(_collect_on_ranks, 3, credits, timeout_s=240) if credits else {}
+
+
+@pytest.mark.parametrize("credit", CREDITS)
+def test_three_gloo_ranks_collect_the_same_fit_set_as_one_process(runner, on_three_ranks, credit):
     col = Collector(runner, "chain_arith", SEATS, group=3, credit=credit, seed=4, chunk=2)
     exs, stats = col.collect(_items(7))
     want = json.dumps([dataclasses.asdict(e) for e in exs])
-    res = launch_cpu(_collect_on_ranks, 3, credit, timeout_s=240)
     for rank in range(3):
-        got, got_stats = res[rank]
+        got, got_stats = on_three_ranks[rank][credit]
         assert got == want, f"rank {rank} collected a different fit set"
         assert json.loads(got_stats)["per_group_outcomes"] == stats["per_group_outcomes"]
 
@@ -174,14 +191,22 @@ def test_a_message_that_ended_keeps_its_end_of_turn_token_and_a_cut_one_has_none
     assert any(ended) and not all(ended)     # the short budget cuts some messages, not all
 
 
+class _Recording(Collector):
+    """A collector that keeps the branches its collection made (one chunk: every query's)."""
+    def branches(self, chunk):
+        self.made = super().branches(chunk)
+        return self.made
+
+
 def test_prefix_samples_branches_from_a_right_prefix_when_one_exists(runner):
     items = _items(16)
     one = Collector(runner, "chain_arith", SEATS, group=2, credit="per_role", seed=3, downstream_seed=9)
-    many = Collector(runner, "chain_arith", SEATS, group=2, credit="per_role", seed=3, downstream_seed=9,
-                     prefix_samples=4)
+    many = _Recording(runner, "chain_arith", SEATS, group=2, credit="per_role", seed=3, downstream_seed=9,
+                      prefix_samples=4, chunk=len(items))
     probes = runner.run(items, samples=4, seed=3)
     right = [[tasks.score("chain_arith", r.final_text, it)[1] for r in rs] for it, rs in zip(items, probes)]
-    by1, by4 = one.branches(items), many.branches(items)
+    _, st = many.collect(items)     # its branches, and its stats, from one collection
+    by1, by4 = one.branches(items), many.made
     for i, it in enumerate(items):
         # the prefix is the first right one of the 4 probe chains, else the first chain (= P 1)
         want = probes[i][right[i].index(True)] if any(right[i]) else probes[i][0]
@@ -190,7 +215,6 @@ def test_prefix_samples_branches_from_a_right_prefix_when_one_exists(runner):
             assert all(tuple(c.texts[:k]) == tuple(probes[i][0].texts[:k]) for c in by1[(i, k)])
     assert many._prefix_ok == [any(r) for r in right]
     assert sum(many._prefix_ok) > sum(one._prefix_ok)   # 16 queries: some first chains are wrong
-    _, st = many.collect(items)
     assert st["prefix_samples"] == 4 and st["prefix_right_rate"] == pytest.approx(sum(map(any, right)) / 16)
 
 

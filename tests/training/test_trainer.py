@@ -5,6 +5,7 @@ single-process backend, which simulates the same nodes in one process.
 """
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from admm_dist.demo.tiny import save_tiny_backbone
 from admm_dist.training.trainer import Trainer
 
 from conftest import train_local
-from trainer_runs import N, _args, _cfg, _launch_cli, _train_worker, assets  # noqa: F401 (fixture)
+from trainer_runs import N, _args, _cfg, _launch_cli, _train_many, assets, selected  # noqa: F401 (fixture)
 
 
 ARMS = {
@@ -40,17 +41,28 @@ ARMS = {
 SLOW_ARMS = ("ring", "coordinator", "gossip", "no_dual", "local_only")
 
 
+@pytest.fixture(scope="module")
+def arm_runs(assets, tmp_path_factory, request):
+    """{arm: its distributed run's config}, for every arm this session runs
+    test_distributed_arm_equals_single_process with: the arms of N nodes trained one after
+    the other in ONE launch of N gloo ranks (the ranks' start-up paid once, not once an arm),
+    the centralized arm (one node) in a world of one under the launcher."""
+    tmp = tmp_path_factory.mktemp("arms")
+    cfgs = {arm: _cfg(assets, tmp / arm / "dist", **ARMS[arm])
+            for arm in selected(request, "test_distributed_arm_equals_single_process", "arm")}
+    for nproc in (N, 1):
+        todo = [cfg for arm, cfg in cfgs.items() if (1 if ARMS[arm].get("pooled") else N) == nproc]
+        if todo:
+            launch_cpu(_train_many, nproc, todo, timeout_s=120)
+    return cfgs
+
+
 @pytest.mark.parametrize("arm", [pytest.param(a, marks=pytest.mark.slow) if a in SLOW_ARMS else a
                                  for a in sorted(ARMS)])
-def test_distributed_arm_equals_single_process(arm, assets, tmp_path):
+def test_distributed_arm_equals_single_process(arm, assets, arm_runs, tmp_path):
     kw = ARMS[arm]
-    nproc = 1 if kw.get("pooled") else N
-    dist_cfg = _cfg(assets, tmp_path / "dist", **kw)
+    dist_cfg = arm_runs[arm]      # trained on N ranks (the centralized arm: one) by the fixture
     local_cfg = _cfg(assets, tmp_path / "local", **kw)
-    if nproc > 1:
-        launch_cpu(_train_worker, nproc, dist_cfg, timeout_s=120)
-    else:  # the centralized arm is one node: a world of one under the launcher
-        launch_cpu(_train_worker, 1, dist_cfg, timeout_s=120)
     report = train_local(local_cfg)
     key = "x" if arm == "local_only" else "z"
     nodes = 1 if kw.get("pooled") else N
@@ -59,7 +71,7 @@ def test_distributed_arm_equals_single_process(arm, assets, tmp_path):
         b = load_file(os.path.join(local_cfg.out, f"node-{i}.safetensors"))[key]
         assert a.norm() > 0
         assert float((a - b).norm() / b.norm()) <= 1e-5, (arm, i)
-    rep = json.loads((tmp_path / "dist" / "reports" / "run-train.json").read_text())
+    rep = json.loads((Path(dist_cfg.report_dir) / "run-train.json").read_text())
     assert len(rep["rounds"]) == 3 and len(rep["rounds"][0]["f"]) == nodes
     for field in ("f", "primal", "primal_normalized", "dual", "bytes_sent", "bytes_recv",
                   "sec_x", "sec_z", "sec_other"):
@@ -102,8 +114,11 @@ def test_dpo_loss_falls_and_the_exported_peft_adapter_reproduces_logits(assets, 
 
 
 def test_killed_rank_resumes_bit_for_bit(assets, tmp_path, monkeypatch):
-    clean = _launch_cli(_args(assets, tmp_path / "clean"), N, monkeypatch)
-    assert clean == {r: 0 for r in range(N)}
+    from admm_dist.cli import train
+
+    # the run never killed: the command in this process, every node on one backbone (the numbers
+    # do not depend on the placement: test_fewer_ranks_than_nodes_... and the arms above)
+    assert train.main(_args(assets, tmp_path / "clean")) == 0
     hurt = _launch_cli(_args(assets, tmp_path / "hurt", resume="auto"), N, monkeypatch, restarts=1, fault="2:1")
     # the fault really fired: every rank finished in the restarted attempt
     assert hurt == {r: 1 for r in range(N)}

@@ -18,10 +18,16 @@ from admm_dist.training.trainer import Trainer
 from conftest import cli_rank, train_local
 
 
+# Rollouts in chunks of 2 queries: on several ranks each rank rolls out its own chunks (chunk c on
+# rank c mod W). The fit set does not depend on the chunks (gen_chunk is no part of its key), so a
+# run in one process takes its queries in one chunk (a third less time than chunks of 2).
+CHUNKS = dict(gen_chunk=2)
+
+
 def _cfg(tmp, **kw):
     base = dict(task="chain_arith", anchor_split="train", model_name=str(standin.DEFAULT_DIR), device="cpu",
                 n_agents=4, anchors=6, group=4, credit="per_role", fit_mode="dpo", max_new_tokens=16,
-                gen_batch_size=256, gen_chunk=2, lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
+                gen_batch_size=256, gen_chunk=16, lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
                 k_outer=2, local_steps=2, batch_size=4, eta=0.003, rho=0.1, grad_clip=1.0,
                 empty_nodes="prox", out=str(tmp / "run"), report_dir=str(tmp / "rep"), quiet=True,
                 timeout_s=120)
@@ -63,8 +69,8 @@ def test_recollection_takes_fresh_queries_and_the_cache_is_keyed(tmp_path):
 
 @pytest.mark.parametrize("world", [4, pytest.param(2, marks=pytest.mark.slow)])  # 2: two nodes per rank
 def test_gloo_ranks_collect_and_train_like_one_process(tmp_path, world):
-    local = _cfg(tmp_path / "local")
-    dist = _cfg(tmp_path / "dist")
+    local = _cfg(tmp_path / "local")            # one chunk: the ranks' chunks give its fit set
+    dist = _cfg(tmp_path / "dist", **CHUNKS)
     launch_cpu(_worker, world, dist, timeout_s=300)
     rep = train_local(local)
     zd = load_file(str(tmp_path / "dist" / "run-last.safetensors"))
@@ -112,8 +118,8 @@ def test_each_seat_recollects_under_the_state_it_deploys(tmp_path, arm):
         assert torch.equal(states[s], load_file(os.path.join(ck, f"node-{i}.safetensors"))[key]), (s, key)
     moved = [s for s in cfg.adapted_seats() if states[s].abs().sum() > 0]
     assert len({tuple(states[s].tolist()) for s in moved}) == len(moved) >= 2   # seats differ
-    two = launch_cpu(_recorded_worker, 2, _cfg(tmp_path / "two", k_outer=2, recollect_every=1, **arm),
-                     timeout_s=300)
+    two = launch_cpu(_recorded_worker, 2, _cfg(tmp_path / "two", k_outer=2, recollect_every=1, **CHUNKS,
+                                               **arm), timeout_s=300)
     for r in (0, 1):
         assert {s: torch.tensor(v) for s, v in two[r][1].items()}.keys() == states.keys()
         assert all(torch.equal(torch.tensor(two[r][1][s]), states[s]) for s in states)
@@ -223,7 +229,7 @@ def test_collection_errors_are_one_line(tmp_path):
 def _launch_cli(tmp, nproc, monkeypatch, restarts=0, fault=None, **kw):
     """``torchrun --nproc_per_node NPROC -m admm_dist.train`` with the settings of :func:`_cfg`:
     torchrun's agent from the launcher (no interpreter start-up per rank)."""
-    cfg = _cfg(tmp, **kw).as_dict()
+    cfg = _cfg(tmp, **dict(CHUNKS, **kw)).as_dict()
     args = [f"{k}={v}" for k, v in cfg.items() if v is not None and k not in ("quiet",)]
     monkeypatch.delenv(faults.ENV, raising=False)
     if fault:
@@ -267,7 +273,7 @@ def test_agent_models_puts_another_backbone_in_one_seat(tmp_path):
 def test_two_ranks_per_seat_collect_their_own_chunks_and_train_like_one_process(tmp_path):
     """4 seats on 8 ranks (k = 2): every rank rolls out its own chunks of the queries, the fit
     sets are the one process's, and training with micro_batches 2 ends where it does."""
-    kw = dict(micro_batches=2, recollect_every=1)
+    kw = dict(micro_batches=2, recollect_every=1, **CHUNKS)
     local, dist = _cfg(tmp_path / "local", **kw), _cfg(tmp_path / "dist", **kw)
     launch_cpu(_worker, 8, dist, timeout_s=600)
     rep = train_local(local)

@@ -3,6 +3,7 @@ blocks per rank), a run resumes onto another world size bit for bit, and more ra
 are refused naming the fix."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from safetensors.torch import load_file
 from admm_dist.bench.launcher import launch_cpu
 
 from conftest import train_local
-from trainer_runs import N, _args, _cfg, _launch_cli, _train_worker, assets  # noqa: F401 (fixture)
+from trainer_runs import (N, _args, _cfg, _launch_cli, _train_many, _train_worker,  # noqa: F401
+                         assets, selected)   # assets: the module's fixture
 
 
 def test_a_world_that_is_neither_at_most_n_nor_k_times_n_is_refused(assets, tmp_path, monkeypatch, capfd):
@@ -24,17 +26,33 @@ def test_a_world_that_is_neither_at_most_n_nor_k_times_n_is_refused(assets, tmp_
     assert not os.path.exists(tmp_path / "run-last.safetensors")
 
 
+def _w2_kw(consensus, dtype):
+    kw = dict(consensus=consensus, topology="chain") if consensus == "gossip" else dict(consensus=consensus)
+    return dict(kw, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def w2_runs(assets, tmp_path_factory, request):
+    """{(consensus, dtype): its run's config on W = 2 ranks}, for every case this session runs
+    test_fewer_ranks_than_nodes_train_the_oracles_nodes with, trained one after the other in
+    ONE launch of 2 gloo ranks (their start-up paid once, not once a case)."""
+    tmp = tmp_path_factory.mktemp("w2")
+    cases = selected(request, "test_fewer_ranks_than_nodes_train_the_oracles_nodes", "consensus", "dtype")
+    cfgs = {case: _cfg(assets, tmp / "-".join(case) / "dist", **_w2_kw(*case)) for case in cases}
+    if cfgs:
+        launch_cpu(_train_many, 2, list(cfgs.values()), timeout_s=120)
+    return cfgs
+
+
 @pytest.mark.parametrize("consensus,dtype", [("ring", "auto"), ("gossip", "auto"), ("coordinator", "auto"),
                                              ("ring", "bfloat16")])
-def test_fewer_ranks_than_nodes_train_the_oracles_nodes(consensus, dtype, assets, tmp_path):
+def test_fewer_ranks_than_nodes_train_the_oracles_nodes(consensus, dtype, assets, w2_runs, tmp_path):
     """N = 3 nodes on W = 2 ranks (nodes 0, 1 on rank 0; node 2 on rank 1): every node file
     equals the single-process run's, bit for bit for ring and gossip; a bfloat16 backbone on
-    CPU too (its LoRA path and the consensus stay float32)."""
-    kw = dict(consensus=consensus, topology="chain") if consensus == "gossip" else dict(consensus=consensus)
-    kw["dtype"] = dtype
-    dist_cfg = _cfg(assets, tmp_path / "dist", **kw)
+    CPU too (its LoRA path and the consensus stay float32). The fixture trained the W = 2 runs."""
+    kw = _w2_kw(consensus, dtype)
+    dist_cfg = w2_runs[(consensus, dtype)]
     local_cfg = _cfg(assets, tmp_path / "local", **kw)
-    launch_cpu(_train_worker, 2, dist_cfg, timeout_s=120)
     train_local(local_cfg)
     for i in range(N):
         a = load_file(os.path.join(dist_cfg.out, f"node-{i}.safetensors"))
@@ -44,7 +62,7 @@ def test_fewer_ranks_than_nodes_train_the_oracles_nodes(consensus, dtype, assets
                 assert float((a[key] - b[key]).norm() / b[key].norm().clamp_min(1e-30)) <= 1e-5, (i, key)
             else:
                 assert torch.equal(a[key], b[key]), (consensus, i, key)
-    rep = json.loads((tmp_path / "dist" / "reports" / "run-train.json").read_text())
+    rep = json.loads((Path(dist_cfg.report_dir) / "run-train.json").read_text())
     assert rep["n_nodes"] == N and len(rep["rounds"][-1]["f"]) == N
     if dtype == "bfloat16":   # the backbone held half a float32 one's bytes, and trained otherwise
         fp32 = train_local(_cfg(assets, tmp_path / "fp32", **dict(kw, dtype="float32")))
