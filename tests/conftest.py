@@ -15,20 +15,28 @@ import pytest
 import torch
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+# torch's store names each peer of a connection (getnameinfo of ::ffff:127.0.0.1, which
+# /etc/hosts does not list, so the resolver asks DNS): where the resolver drops a query (one in
+# ~50 on the machines these tests run on), a connection waits out its 5 s timeout. Every
+# process the tests start waits at most 1 s (glibc's per-process resolver options).
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:2")
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 
 # The files that take longest (in the default suite or in the slow one; .ci/run's durations,
-# 2026-12-04), collected first, longest first: pytest-xdist hands a worker one file at a time in
-# collection order (--dist loadfile), so a long file left to the end keeps one worker busy while
-# the other has nothing left to do. Every other file keeps its place after them.
+# 2026-12-07), collected first, longest first: pytest-xdist hands a worker one file at a time in
+# collection order (setup.cfg: --dist loadfile, and --no-loadscope-reorder, without which it
+# hands out the files with the most tests first), so a long file left to the end keeps one
+# worker busy while the other has nothing left to do. Every other file keeps its place after them.
 LONGEST_FIRST = (
     "launch/test_elastic.py", "model/test_smollm2.py", "launch/test_multinode.py", "launch/test_slurm.py",
     "engine/test_preemption.py", "training/test_trainer_placement.py", "training/test_trainer_onpolicy.py",
-    "training/test_trainer.py", "training/test_trainer_seat_groups.py", "benchmarks/test_kill_resume.py",
+    "training/test_trainer.py", "engine/test_compressed_mp.py", "training/test_outputs.py",
+    "engine/test_comm_mp.py", "training/test_trainer_seat_groups.py", "benchmarks/test_kill_resume.py",
     "benchmarks/test_bench_fidelity.py", "bench/test_gpu_check.py", "benchmarks/test_placement.py",
-    "launch/test_cpu_default_tracked.py", "mas/test_collection.py", "cli/test_interrupt.py",
+    "launch/test_cpu_default_tracked.py", "mas/test_collection.py", "cli/test_failures.py",
+    "cli/test_interrupt.py",
 )
 
 

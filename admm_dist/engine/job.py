@@ -58,14 +58,24 @@ class RollCall:
         self.store, self.rank, self.world_size = main, rank, world_size
         self.base = f"{prefix}/roll"
         self._left, self._gone = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._answer, args=(waiter,), daemon=True,
-                                        name="admm-roll-call")
-        self._thread.start()
-
-    def _answer(self, store: dist.Store) -> None:
+        # The thread waits for the next call and returns once this rank has left. The first call
+        # it answers is numbered here, before it starts; numbered in the thread, a rank that
+        # leaves at once could call before it, and the thread would wait for the call after its
+        # own. For the same reason it looks whether the rank left before each wait: its answers
+        # may have covered the rank's own last call (leave() sets the flag before it calls).
         try:
-            due = store.add(f"{self.base}/calls", 0) + 1
-            while True:
+            due = main.add(f"{self.base}/calls", 0) + 1
+        except RuntimeError:   # the store went away: nobody can call the roll
+            self._gone.set()
+            due = 0
+        self._thread = threading.Thread(target=self._answer, args=(waiter, due), daemon=True,
+                                        name="admm-roll-call")
+        if due:
+            self._thread.start()
+
+    def _answer(self, store: dist.Store, due: int) -> None:
+        try:
+            while not self._left.is_set():
                 store.wait([f"{self.base}/call/{due}"], ANSWER_WAIT)
                 if self._left.is_set():
                     return

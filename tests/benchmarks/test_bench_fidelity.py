@@ -17,11 +17,12 @@ from benchmarks.fidelity_stats import SINGLE, crossed_bootstrap, format_table
 
 from conftest import REPO
 
-TINY = ["anchors=8", "group=4", "k_outer=2", "local_steps=2", "gen_chunk=8", "max_new_tokens=12"]
+TINY = ["anchors=6", "group=4", "k_outer=2", "local_steps=1", "gen_chunk=8", "max_new_tokens=12"]
+EVAL_N, SAMPLED_N = 4, 2     # held-out rows scored greedy; the front ones scored sampled and along the curve
 # one arm of each kind (every arm trains through the same code, and tests/training checks each
 # one's numbers against the single-process run): the reference, one deployed per seat with
 # compressed exchange, the pooled one; and an ablation that the override below makes invalid.
-# recollect_every=1 with k_outer=2: a second collection (4 fresh queries), each arm's own, after round 1
+# recollect_every=1 with k_outer=2: a second collection (2 fresh queries), each arm's own, after round 1
 RUN = ("ADMM-ring", "ADMM-decentralized-int8", "Centralized")
 REFUSED = "ADMM-NoDual"
 
@@ -51,10 +52,10 @@ def bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fidelity")
     out = tmp / "b.json"
     png = tmp / "b.png"
-    argv = ["--seeds", "3", "--eval_n", "8", "--sampled_n", "4", "--samples", "2", "--boot", "200",
-            "--jobs", "1", "--arms", ",".join((*RUN, REFUSED)), "--workdir", str(tmp / "work"),
-            "--json", str(out), "--png", str(png), *TINY, "rho_adapt=true", "recollect_every=1",
-            "recollect_anchors=4"]
+    argv = ["--seeds", "3", "--eval_n", str(EVAL_N), "--sampled_n", str(SAMPLED_N), "--samples", "2",
+            "--boot", "200", "--jobs", "1", "--arms", ",".join((*RUN, REFUSED)),
+            "--workdir", str(tmp / "work"), "--json", str(out), "--png", str(png), *TINY, "rho_adapt=true",
+            "recollect_every=1", "recollect_anchors=2"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fidelity, "subprocess", _JobsInThisProcess)
         rc = fidelity.main(argv)
@@ -88,17 +89,17 @@ def test_every_arm_asked_for_runs_and_writes_json_and_png(bench, capsys):
     first = {summary["arms"][name]["pass_rates"][0][0] for name in RUN}
     assert len(first) == 1                       # every arm started from the same collection
     assert summary["collection"][0]["mean_pass_rate"] in first   # the seed's shared one, not an arm's last
-    # greedy on the 8 front rows, sampled (2 chains a row) and the curve on the front 4 of them
+    # greedy on the EVAL_N front rows, sampled (2 chains a row) and the curve on the front SAMPLED_N of them
     work = tmp / "work"
     base_rows = json.loads((work / "base.json").read_text())["rows"]
-    assert len(base_rows["greedy"]) == 8 and len(base_rows["sampled"]) == 4
-    assert base_rows["sampled_anchors"] == base_rows["greedy_anchors"][:4]
-    assert summary["eval_n"] == 8 and summary["sampled_n"] == 4
+    assert len(base_rows["greedy"]) == EVAL_N and len(base_rows["sampled"]) == SAMPLED_N
+    assert base_rows["sampled_anchors"] == base_rows["greedy_anchors"][:SAMPLED_N]
+    assert summary["eval_n"] == EVAL_N and summary["sampled_n"] == SAMPLED_N
     # the untrained single seat, greedy on the chain's rows, and each arm against it, paired per row
     single = json.loads((work / "base.json").read_text())["single"]
     assert single["greedy_anchors"] == base_rows["greedy_anchors"] and "sampled" not in single
     greedy = summary["modes"]["greedy"]
-    assert greedy[SINGLE]["mean"] == pytest.approx(sum(single["greedy"]) / 8)
+    assert greedy[SINGLE]["mean"] == pytest.approx(sum(single["greedy"]) / EVAL_N)
     assert SINGLE not in summary["modes"]["sampled"]
     for name in RUN:
         r = greedy[name]
@@ -109,10 +110,11 @@ def test_every_arm_asked_for_runs_and_writes_json_and_png(bench, capsys):
     assert set(curves) == {"ADMM-ring", "Centralized"}         # decentralized deploys per seat
     for name, c in curves.items():
         assert [p["round"] for p in c["points"]] == [1, 2] and [p["collections"] for p in c["points"]] == [1, 2]
-        assert c["rows"] == 4 and c["base"] == pytest.approx(sum(base_rows["greedy"][:4]) / 4)
+        assert c["rows"] == SAMPLED_N
+        assert c["base"] == pytest.approx(sum(base_rows["greedy"][:SAMPLED_N]) / SAMPLED_N)
         final = json.loads((work / f"seed3-{name}.json").read_text())["result"]["rows"]["greedy"]
         last = c["points"][-1]
-        assert last["accuracy"] == [pytest.approx(sum(final[:4]) / 4)]   # the -last adapter, front rows
+        assert last["accuracy"] == [pytest.approx(sum(final[:SAMPLED_N]) / SAMPLED_N)]   # the -last adapter
         for p in c["points"]:
             assert p["gain"] == pytest.approx(p["mean"] - c["base"])
             assert p["gain_ci95"][0] <= p["gain"] + 1e-12 <= p["gain_ci95"][1] + 2e-12
@@ -126,12 +128,13 @@ def test_table_lists_every_arm(bench, capsys):
     _, summary, _, _, _ = bench
 
     class A:
-        samples, eval_n, sampled_n, arm_list = 2, 8, 4, [*RUN, REFUSED]
+        samples, eval_n, sampled_n, arm_list = 2, EVAL_N, SAMPLED_N, [*RUN, REFUSED]
     text = format_table(summary, A)
     for name in (BASE, *RUN, REFUSED):
         assert name in text
-    assert "greedy accuracy on 8 held-out rows" in text and "sampled accuracy on 4 held-out rows" in text
-    assert "after each collection's rounds on the front 4 rows" in text
+    assert f"greedy accuracy on {EVAL_N} held-out rows" in text
+    assert f"sampled accuracy on {SAMPLED_N} held-out rows" in text
+    assert f"after each collection's rounds on the front {SAMPLED_N} rows" in text
     greedy = text.split("greedy accuracy", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
     rows = {line.split()[0]: line for line in greedy}
     # the arm column fits the longest name: rows with the same figures have the same length

@@ -8,10 +8,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from admm_dist.engine.comm import (TOPOLOGIES, CommError, LocalCommunicator, make_communicator,
                                    ring_bytes_per_rank)
-from admm_dist.bench.comm_wire import interface_tx_bytes
 from admm_dist.bench.launcher import launch_cpu
-
-from wire import launch_in_netns, wire_bytes
 
 P_ODD = 1001  # not divisible by 2, 3 or 4
 
@@ -103,26 +100,6 @@ def test_gossip_drives_every_topology_to_consensus_faster_with_larger_tau():
         # tau=3 mixes three times per call: after k calls it is as close as tau=1 after 3k
         assert all(t <= o * (1 + 1e-6) or t < floor for t, o in zip(three[1:3], one[3:7:3])), topo
         assert three[-1] < one[-1] or three[-1] < floor, (topo, one, three)
-
-
-def _wire(ctx, p):
-    """Bytes on the loopback wire for one op (tests/wire.py) and the analytic bytes, a row per
-    cell (run in a network namespace of its own: the loopback counts no other job's bytes)."""
-    out = []
-    for mode, topo in (("ring", "ring"), ("gossip", "ring"), ("gossip", "expander"),
-                       ("coordinator", "ring")):
-        comm = make_communicator(mode, n_nodes=ctx.world_size, topology=topo,
-                                 timeout=ctx.timeout)
-        analytic = sum(comm.analytic_bytes(p, r) for r in range(ctx.world_size))
-        out.append([mode, topo, wire_bytes(ctx, comm, [_vec(ctx.rank, p)]), analytic])
-    return out
-
-
-@pytest.mark.skipif(interface_tx_bytes("lo") is None, reason="no loopback counters in /proc/net/dev")
-def test_metered_bytes_match_the_bytes_on_the_loopback_wire():
-    res = launch_in_netns(_wire, 3, 1 << 20, timeout_s=60)[0]  # 4 MiB vectors
-    for mode, topo, wire, analytic in res:
-        assert abs(wire / analytic - 1) <= 0.02, (mode, topo, wire, analytic)
 
 
 def _die_or_wait(ctx, p):

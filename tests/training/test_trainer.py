@@ -37,8 +37,10 @@ ARMS = {
 
 # ring, coordinator and gossip are checked on W = 2 below (test_fewer_ranks_than_nodes_...)
 # and on W = N in tests/engine/test_admm_mp.py (ring also as ring_rho_adapt here), the
-# ablations there too: slow here
-SLOW_ARMS = ("ring", "coordinator", "gossip", "no_dual", "local_only")
+# ablations there too; ring_int4 trains as ring_int8 does (the trainer's compressed path), and
+# its int4 consensus is the oracle's bit for bit on any number of ranks in
+# tests/engine/test_compressed_mp.py: slow here
+SLOW_ARMS = ("ring", "coordinator", "gossip", "no_dual", "local_only", "ring_int4")
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +115,10 @@ def test_dpo_loss_falls_and_the_exported_peft_adapter_reproduces_logits(assets, 
         assert torch.allclose(peft(ids).logits, ad.model.eval()(ids).logits, atol=1e-5)
 
 
+# a killed rank's elastic restart resuming bit for bit is the default suite's in
+# tests/training/test_outputs_mp.py (test_a_rank_killed_inside_a_checkpoint_write_..., 2 ranks,
+# killed in the middle of a checkpoint write); this one (3 ranks, a plain kill) is the slow suite's
+@pytest.mark.slow
 def test_killed_rank_resumes_bit_for_bit(assets, tmp_path, monkeypatch):
     from admm_dist.cli import train
 

@@ -238,7 +238,7 @@ def _launch_cli(tmp, nproc, monkeypatch, restarts=0, fault=None, **kw):
     return launch_cpu(cli_rank, nproc, args, timeout_s=300, max_restarts=restarts, setup=False)
 
 
-@pytest.mark.slow   # collection on 4 ranks; the default suite's test_killed_rank_resumes_bit_for_bit covers resume
+@pytest.mark.slow   # collection on 4 ranks; a killed rank's resume: the default suite's test_outputs_mp.py
 def test_killed_rank_resumes_and_recollects_bit_for_bit(tmp_path, monkeypatch, capfd):
     """A rank dies after round 3, one round past collection 1; the restart collects round 2's
     fresh queries again under round 2's z (kept in round 3's checkpoint: the same z gives the
