@@ -52,6 +52,22 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)     # stable: the rest keep pytest's order
 
 
+def selected(request, test: str, *names: str) -> list:
+    """The values of the parameters ``names`` (a tuple of them for more than one; ``[()]`` for
+    none when ``test`` runs at all) that this session runs ``test`` of the requesting module with
+    (what -m and -k left), in collection order: what a module's fixture runs in one launch for
+    the cases of ``test``, and no more."""
+    seen = []
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module or getattr(item, "originalname", None) != test:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        value = params[names[0]] if len(names) == 1 else tuple(params[n] for n in names)
+        if value not in seen:
+            seen.append(value)
+    return seen
+
+
 def train_local(cfg, fault=None):
     """Train ``cfg`` with every node in this process (the single-process backend); the report.
     ``fault``: a plan of :mod:`faults` armed meanwhile (in one process, a ``nan@ROUND:NODE``)."""

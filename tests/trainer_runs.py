@@ -2,8 +2,7 @@
 with N = 3 seats and a synthetic DPO fit set (``assets``, one per test module), as a config
 (``_cfg``), as command-line overrides (``_args``), in one rank (``_train_worker``; several runs
 one after the other in one launch: ``_train_many``) or under torchrun's elastic agent
-(``_launch_cli``); and which parameters of a test this session runs (``selected``), for a
-module's fixture that trains them all in one launch."""
+(``_launch_cli``)."""
 import pytest
 
 from admm_dist.bench.launcher import launch_cpu
@@ -42,22 +41,6 @@ def _train_many(ctx, cfgs):
     the ranks' start-up paid once): what several launches of :func:`_train_worker` would do, a
     second or two cheaper a run. Their loss curves, in order."""
     return [_train_worker(ctx, cfg) for cfg in cfgs]
-
-
-def selected(request, test: str, *names: str) -> list:
-    """The values of the parameters ``names`` (a tuple of them for more than one; ``[()]`` for
-    none when ``test`` runs at all) that this session runs ``test`` of the requesting module with
-    (what -m and -k left), in collection order: what a module's fixture runs in one launch for
-    the cases of ``test``, and no more."""
-    seen = []
-    for item in request.session.items:
-        if getattr(item, "module", None) is not request.module or getattr(item, "originalname", None) != test:
-            continue
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        value = params[names[0]] if len(names) == 1 else tuple(params[n] for n in names)
-        if value not in seen:
-            seen.append(value)
-    return seen
 
 
 def _args(assets, out, **kw):

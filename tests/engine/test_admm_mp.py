@@ -7,7 +7,7 @@ from admm_dist.engine.comm import LocalCommunicator, make_communicator, ring_byt
 from admm_dist.bench.launcher import launch_cpu
 from admm_dist.engine.lsq import LeastSquares
 
-from trainer_runs import selected
+from conftest import selected
 
 ROUNDS = 60
 DIM = 15  # not divisible by the node counts below
@@ -48,14 +48,14 @@ def on_ranks(request):
     (the cases this session runs, and the ablations when it runs them) in ONE launch of that
     many gloo ranks, not one launch a run."""
     test = "test_distributed_run_matches_single_process_round_by_round"
-    runs = {(mode, topo, n): (mode, topo, dict(rho=1.0))
+    runs = {(mode, topo, n): (n, (mode, topo, dict(rho=1.0)))     # key: (world size, run)
             for mode, topo, n in selected(request, test, "mode", "topology", "n")}
     if selected(request, "test_distributed_no_dual_and_local_only"):
-        runs.update({("ablation", i): ("ring", "ring", kw) for i, kw in enumerate(ABLATIONS)})
+        runs.update({("ablation", i): (3, ("ring", "ring", kw)) for i, kw in enumerate(ABLATIONS)})
     out = {}
-    for n in sorted({3 if key[0] == "ablation" else key[2] for key in runs}):
-        keys = [key for key in runs if (3 if key[0] == "ablation" else key[2]) == n]
-        res = launch_cpu(_dist_worker, n, [runs[key] for key in keys], timeout_s=60)
+    for n in sorted({world for world, _ in runs.values()}):
+        keys = [key for key, (world, _) in runs.items() if world == n]
+        res = launch_cpu(_dist_worker, n, [runs[key][1] for key in keys], timeout_s=60)
         out.update({key: {r: res[r][i] for r in range(n)} for i, key in enumerate(keys)})
     return out
 

@@ -14,7 +14,7 @@ from admm_dist.mas.collection import PRESCREEN_SALT, Collector, gather_json
 from admm_dist.tasks.chain_arith import load_chain_arith
 from admm_dist.demo import standin
 
-from trainer_runs import selected
+from conftest import selected
 
 SEATS = [0, 1, 2, 3]
 

@@ -17,8 +17,8 @@ from admm_dist.demo.synthetic import write_fitset
 from admm_dist.demo.tiny import save_tiny_backbone
 from admm_dist.training.trainer import Trainer
 
-from conftest import train_local
-from trainer_runs import N, _args, _cfg, _launch_cli, _train_many, assets, selected  # noqa: F401 (fixture)
+from conftest import selected, train_local
+from trainer_runs import N, _args, _cfg, _launch_cli, _train_many, assets  # noqa: F401 (fixture)
 
 
 ARMS = {

@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from admm_dist.bench.launcher import launch_cpu
 
-from conftest import train_local
+from conftest import selected, train_local
 from trainer_runs import (N, _args, _cfg, _launch_cli, _train_many, _train_worker,  # noqa: F401
-                         assets, selected)   # assets: the module's fixture
+                         assets)   # assets: the module's fixture
 
 
 def test_a_world_that_is_neither_at_most_n_nor_k_times_n_is_refused(assets, tmp_path, monkeypatch, capfd):
