@@ -19,13 +19,20 @@ import select
 import struct
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
 NPROC = 256          # tasks (processes and threads) the sandbox user may have
 TMPFS_MB = 64        # what the code can write to /tmp and its working folder there, together
 SHM_MB = 16          # and to /dev/shm (POSIX shared memory, multiprocessing's semaphores)
-SANDBOX_UID = SANDBOX_GID = 65534   # nobody / nogroup
+SANDBOX_UID = SANDBOX_GID = 65534   # nobody / nogroup: who the program is in its user namespace
+# As root (no user namespace), each run's program gets a host uid of its own, so that concurrent
+# sandboxes never share the per-uid task budget: this base plus the id of the thread that runs
+# and waits for it (alive, hence unique on the host, for as long as the run lasts). Thread ids
+# stay below 2**22 (the kernel's PID_MAX_LIMIT): the range ends below 2**31, above the ranges
+# systemd gives to containers (0x80000-0x6fffffff), and no user database lists it.
+RUN_UID_BASE = 0x7F000000
 
 # Run inside the sandbox before the program: the per-sandbox task limit, and, when bwrap ran
 # as root (no user namespace), the drop to the sandbox uid/gid. exec keeps the limits.
@@ -182,10 +189,16 @@ def seccomp_filter() -> Optional[bytes]:
     return out
 
 
+def sandbox_uid() -> int:
+    """The uid of the program of a sandbox that this thread runs: :data:`SANDBOX_UID` in a user
+    namespace; as root, :data:`RUN_UID_BASE` plus this thread's id (one uid per concurrent run)."""
+    return RUN_UID_BASE + threading.get_native_id() if os.geteuid() == 0 else SANDBOX_UID
+
+
 def bwrap_argv(bwrap: str, host: str, work: str, main_fd: int, seccomp_fd: Optional[int],
                info_fd: int) -> List[str]:
-    """The command line that runs ``main.py`` (open as ``main_fd``) in ``work`` under ``bwrap``;
-    ``host`` holds the files :func:`write_etc` wrote."""
+    """The command line that runs ``main.py`` (open as ``main_fd``) in ``work`` under ``bwrap``,
+    as :func:`sandbox_uid`; ``host`` holds the files :func:`write_etc` wrote."""
     root = os.geteuid() == 0
     argv = [bwrap, "--info-fd", str(info_fd), "--unshare-pid", "--unshare-net", "--unshare-ipc",
             "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
@@ -239,12 +252,12 @@ def bwrap_argv(bwrap: str, host: str, work: str, main_fd: int, seccomp_fd: Optio
     for k, v in minimal_env(work, "/tmp").items():
         argv += ["--setenv", k, v]
     return argv + ["--", sys.executable, "-I", "-S", "-c", _BOOT,
-                   str(SANDBOX_UID), str(SANDBOX_GID), str(NPROC)]
+                   str(sandbox_uid()), str(SANDBOX_GID), str(NPROC)]
 
 
 def write_etc(host: str, work: str) -> None:
     """The made-up ``passwd``, ``group`` and ``hosts`` of the sandbox, written into ``host``."""
-    files = {"passwd": f"nobody:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:{work}:/usr/sbin/nologin\n",
+    files = {"passwd": f"nobody:x:{sandbox_uid()}:{SANDBOX_GID}:sandbox:{work}:/usr/sbin/nologin\n",
              "group": f"nogroup:x:{SANDBOX_GID}:\n",
              "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n"}
     for name, text in files.items():

@@ -21,10 +21,12 @@ wall-clock timeout. It never raises for what the code does; it reports it. Insid
 - an empty environment plus a minimal one; no capabilities, ``no_new_privs``, and a seccomp
   filter against new namespaces, mounts, AF_VSOCK and memory outside the limits
   (:mod:`admm_dist.tasks.bubblewrap` builds the command line and the filter);
-- an unprivileged uid/gid (:data:`SANDBOX_UID`), so the kernel's per-user process limit
-  (:data:`NPROC` tasks) holds: as root, bwrap sets the sandbox up without a user namespace
-  (one would map the sandbox to host root, which the process limit exempts) and the program
-  drops to that uid before it starts; as another user, a user namespace does it;
+- an unprivileged uid/gid, so the kernel's per-user process limit (:data:`NPROC` tasks)
+  holds: as root, bwrap sets the sandbox up without a user namespace (one would map the
+  sandbox to host root, which the process limit exempts) and the program drops, before it
+  starts, to a uid of its own run (:func:`~admm_dist.tasks.bubblewrap.sandbox_uid`: concurrent
+  sandboxes never share the budget); as another user, a user namespace makes it
+  :data:`SANDBOX_UID`;
 - resource limits: address space (``memory_mb``), CPU seconds, written-file size, open
   files, no core dumps.
 
@@ -59,6 +61,7 @@ from admm_dist.tasks.bubblewrap import (
     bwrap_argv,
     minimal_env,
     pid1_fd,
+    sandbox_uid,
     seccomp_filter,
     write_etc,
 )
@@ -112,13 +115,13 @@ def _probe(path: str) -> Optional[str]:
     with _probe_lock:
         if key not in _probed:
             r = _run("import os\nprint(*os.getresuid(), *os.getresgid())\n", 20.0, 256, path)
-            want = " ".join([str(SANDBOX_UID)] * 3 + [str(SANDBOX_GID)] * 3)
+            want = " ".join([str(sandbox_uid())] * 3 + [str(SANDBOX_GID)] * 3)  # this thread's
             if r.ok and r.stdout_tail.strip() == want:
                 _probed[key] = None
             else:
                 lines = [ln.strip() for ln in r.stderr_tail.splitlines() if ln.strip()]
-                why = lines[-1] if lines else (f"it ran as {r.stdout_tail.strip()!r}, not uid "
-                                               f"{SANDBOX_UID}" if r.ok else f"exit status {r.returncode}")
+                why = lines[-1] if lines else (f"it ran as {r.stdout_tail.strip()!r}, not {want!r}"
+                                               if r.ok else f"exit status {r.returncode}")
                 _probed[key] = f"bwrap at {path} cannot start a sandbox here ({why})"
         return _probed[key]
 
@@ -172,8 +175,9 @@ def describe(allow_unisolated: Optional[bool] = None, bwrap: Optional[str] = Non
     except SandboxUnavailable as exc:
         return f"code sandbox: unavailable: {exc}"
     if mode == ISOLATED:
+        uid = "a uid per run" if os.geteuid() == 0 else f"uid {SANDBOX_UID}"
         return (f"code sandbox: bwrap ({_bwrap_path(bwrap)}): own PID, network and IPC namespaces, "
-                f"read-only system and Python, no host files, uid {SANDBOX_UID}, at most {NPROC} tasks, "
+                f"read-only system and Python, no host files, {uid}, at most {NPROC} tasks, "
                 f"{TMPFS_MB} + {SHM_MB} MiB writable, "
                 + ("seccomp filter" if seccomp_filter() else f"no seccomp filter on {os.uname().machine}"))
     return (f"code sandbox: resource limits only ({_why_not_isolated(bwrap)}; opted in): untrusted code "

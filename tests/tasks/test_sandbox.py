@@ -163,7 +163,7 @@ def test_host_files_and_the_callers_environment_are_hidden(tmp_path, monkeypatch
     with open("/etc/passwd") as f:
         host_passwd = f.read()
     assert host_passwd not in out and "root:x:0:0" not in out
-    assert f"nobody:x:{sandbox.SANDBOX_UID}" in out  # the made-up one
+    assert f"nobody:x:{bubblewrap.sandbox_uid()}:" in out  # the made-up one (this thread's run)
     assert out.rstrip().endswith("[]")  # none of the clone's own files, wherever the Python lives
     listings = dict(line.split(": ", 1) for line in out.splitlines() if line.split(": ", 1)[0] in host)
     for folder in host:  # at most the way to the Python, else nothing
@@ -284,7 +284,7 @@ def test_a_setsid_child_does_not_outlive_the_run(tmp_path):
 
 
 @needs_bwrap
-def test_a_fork_bomb_is_limited_and_ends_with_its_timeout():
+def test_a_fork_bomb_is_limited_ends_with_its_timeout_and_leaves_a_concurrent_run_its_budget():
     base = host_processes()
     peak, stop = [base], threading.Event()
 
@@ -306,21 +306,44 @@ def test_a_fork_bomb_is_limited_and_ends_with_its_timeout():
             "        break\n"
             "    print(n, flush=True)\n"
             "time.sleep(60)\n")
+    # A second program that needs 20 processes, started while the bomb holds its whole budget
+    # (as root, every run's program has a uid of its own: the budget is per run, not shared).
+    needy = ("import os, time\n"
+             "kids = []\n"
+             "for _ in range(20):\n"
+             "    kid = os.fork()\n"
+             "    if kid == 0:\n"
+             "        time.sleep(0.5)\n"
+             "        os._exit(0)\n"
+             "    kids.append(kid)\n"
+             "for kid in kids:\n"
+             "    os.waitpid(kid, 0)\n"
+             "print(len(kids))\n")
     watcher = threading.Thread(target=sample, daemon=True)
+    bomb = []
     with subreaper() as left:
         watcher.start()
         t = time.monotonic()
+        runner = threading.Thread(target=lambda: bomb.append(run(code, timeout_s=4.0)), daemon=True)
+        runner.start()
         try:
-            r = run(code, timeout_s=4.0)
+            while max(peak) - base < sandbox.NPROC * 3 // 4 and time.monotonic() - t < 3.0:
+                time.sleep(0.05)
+            at_limit = max(peak) - base
+            beside = run(needy)
+            runner.join(30.0)
         finally:
             stop.set()
             watcher.join(5)
         took = time.monotonic() - t
+        assert bomb, "the fork bomb's run did not return"
+        r = bomb[0]
         assert r.timed_out and r.returncode < 0 and took < 4.0 + 20.0, took  # ended at its timeout, not the child's 60 s
         counts = [int(line) for line in r.stdout_tail.split("\n") if line.isdigit()]
         refused = "fork refused: Resource temporarily unavailable" in r.stdout_tail
         assert counts and counts[-1] < sandbox.NPROC, r.stdout_tail  # never more than the limit
         assert not refused or counts[-1] > sandbox.NPROC // 2  # and the limit is what stopped it
+        assert beside.ok and beside.stdout_tail.strip() == "20", (at_limit, beside.stderr_tail)
         # When run_python returns, all of it is gone (bwrap exits after its PID namespace).
         assert not left()
         # On the host (other users of this machine move the count a little): far from 2000.
