@@ -4,15 +4,23 @@ Rank r owns the nodes ``blocks(N, W)[r]`` (:mod:`admm_dist.engine.placement`), o
 A hop between ranks is an ``isend``/``irecv`` pair tagged by (step, src, dst, piece), metered as
 ``consensus`` when posted; the sum over ranks is one ``all_reduce`` (metered by the ring
 convention). Every wait is bounded: a dead or diverged peer raises a CommError naming the step.
+
+Two ways to post a step's messages. *Per message* (gloo's default): each piece is posted the
+moment it is ready and matched by its tag. *Grouped* (NCCL's, which needs it, and available on
+gloo with ``grouped=True``): a step's messages are held and posted as one
+``batch_isend_irecv``, sorted by their tag on every rank, because NCCL ignores tags and matches
+the messages between two ranks by their order; on gloo the grouped path posts them all with tag
+0, so that a run on gloo depends on that order exactly as a run under NCCL does.
 """
 from __future__ import annotations
 
 import datetime
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from admm_dist.core.errors import UserError
 from admm_dist.engine.comm.communicator import CommError, Communicator, first_line, wait_all
 from admm_dist.engine.placement import blocks
 
@@ -33,7 +41,8 @@ class ProcessGroupCommunicator(Communicator):
 
     def __init__(self, *, mode: str, n_nodes: int, timeout: datetime.timedelta,
                  group: Optional[dist.ProcessGroup] = None, topology: str = "ring",
-                 gossip_steps: int = 1, meter=None, compress: str = "none") -> None:
+                 gossip_steps: int = 1, meter=None, compress: str = "none",
+                 grouped: Optional[bool] = None) -> None:
         if not dist.is_initialized():   # ``group``: this rank's column across seats (engine/dist.py)
             raise CommError("no process group: create one with admm_dist.engine.dist.distributed() first")
         self.group, self.world = group, dist.get_world_size(group)
@@ -41,8 +50,12 @@ class ProcessGroupCommunicator(Communicator):
         super().__init__(mode=mode, n_nodes=n_nodes, blocks=blocks(n_nodes, self.world), rank=rank,
                          topology=topology, gossip_steps=gossip_steps, meter=meter, compress=compress)
         self.timeout = timeout
-        self.nccl = dist.get_backend() == "nccl"
-        self._held: List[dist.P2POp] = []   # NCCL: the messages of one step, posted together
+        self.nccl = dist.get_backend(group) == "nccl"
+        if grouped is False and self.nccl:
+            raise UserError("grouped=False: NCCL posts a step's messages as one group call; "
+                            "leave grouped unset (None) or True")
+        self.grouped = self.nccl if grouped is None else bool(grouped)
+        self._held: List[Tuple[int, dist.P2POp]] = []   # grouped: a step's messages and their tags
 
     def _peer(self, node: int) -> int:
         """The global rank that holds ``node`` (also in messages)."""
@@ -51,14 +64,14 @@ class ProcessGroupCommunicator(Communicator):
 
     def _p2p(self, what: str, send: bool, tensor: torch.Tensor, node: int, tag: int):
         fn, peer = dist.isend if send else dist.irecv, self._peer(node)
-        if self.nccl:   # held back: a step's messages go as one group call (_wait)
-            return self._held.append(dist.P2POp(fn, tensor, peer, self.group, tag))
+        if self.grouped:   # held back: a step's messages go as one group call (_wait), matched by order
+            return self._held.append((tag, dist.P2POp(fn, tensor, peer, self.group, 0)))
         where = f"{what} {'to' if send else 'from'} rank {peer}"
         return self._posting(where, lambda: fn(tensor, peer, self.group, tag))
 
     def _wait(self, works: Sequence, what: str) -> None:
-        if self._held:
-            held, self._held = self._held, []
+        if self._held:   # in tag order on every rank: the i-th message from A to B meets B's i-th from A
+            held, self._held = [op for _, op in sorted(self._held, key=lambda t: t[0])], []
             works = [*self._posting(what, lambda: dist.batch_isend_irecv(held)), *works]
         wait_all([w for w in works if w is not None], self.timeout, what, dist.get_rank())   # the global rank
 
@@ -70,11 +83,11 @@ class ProcessGroupCommunicator(Communicator):
                             f"({first_line(e)})") from e
 
     def relay(self, steps, what: str, size: int) -> None:
-        """Under gloo, each message is posted itself (a batch costs ~75 us more) and each piece
-        made and forwarded when ready (:meth:`Communicator.relay`). NCCL queues the messages to
-        one peer on one stream, where a receive posted ahead of a send would block it: there
-        each step is one group call (``batch_isend_irecv``) of whole hops."""
-        if not self.nccl:
+        """Per message, each message is posted itself (a batch costs ~75 us more on gloo) and each
+        piece made and forwarded when ready (:meth:`Communicator.relay`). NCCL queues the
+        messages to one peer on one stream, where a receive posted ahead of a send would block
+        it: grouped, each step is one group call (``batch_isend_irecv``) of its messages."""
+        if not self.grouped:
             return super().relay(steps, what, size)
         for s, step in enumerate(steps):
             super().relay([step], f"{what} step {s}" if len(steps) > 1 else what, size)
@@ -84,11 +97,16 @@ class ProcessGroupCommunicator(Communicator):
         per message than they overlap, on 2 cores: docs/benchmarks.md), more where a piece would
         exceed :attr:`segment_bytes`, one below 256 KiB; coded payloads (``unit`` > 1) in pieces
         of at most :attr:`coded_bytes`, so the codec's work on one overlaps the wire's on the
-        others; fewer if the tags (step, src, dst, piece) would not fit."""
-        if self.nccl or size == 0:
+        others (and its scratch holds one piece); fewer if the tags (step, src, dst, piece)
+        would not fit. Grouped: fp32 hops whole (one group call a step), coded ones in the same
+        pieces as per message."""
+        if size == 0:
             return 1
-        biggest = self.segment_bytes if unit == 1 else self.coded_bytes
-        pieces = max(2 if size >= 512 << 10 else 1, -(-size // biggest))
+        if self.grouped:
+            pieces = super()._pieces(size, n_steps, unit)
+        else:
+            biggest = self.segment_bytes if unit == 1 else self.coded_bytes
+            pieces = max(2 if size >= 512 << 10 else 1, -(-size // biggest))
         return max(1, min(pieces, (2 ** 31 - 1) // (n_steps * self.n_nodes ** 2)))
 
     def _sum_ranks(self, total: torch.Tensor) -> None:
