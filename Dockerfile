@@ -1,9 +1,15 @@
-# CUDA PyTorch base: torch, CUDA and NCCL come from the image; the package adds the rest.
-FROM pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime
+# The GPU job's image: Python 3.11 and the torch every suite runs on (launch/constraints.txt),
+# installed by the steps .ci/run also runs in a fresh venv (launch/image_env.sh). From PyPI
+# that torch is the CUDA build, with CUDA's and NCCL's libraries as wheels; the driver comes
+# from the host (the NVIDIA container toolkit: docker run --gpus all ...).
+FROM python:3.11-slim-bookworm
 
 # bubblewrap isolates model-written code (coding tasks, docs/sandbox.md); as root it needs
 # CAP_SYS_ADMIN: docker run --cap-add SYS_ADMIN --security-opt seccomp=unconfined ...
 # (without it coding tasks are refused with a one-line message; other tasks are unaffected).
+# Not pinned to a version: Debian replaces a package's version with its security update, so a
+# pin breaks the build; the image's tag fixes the release (bookworm).
+# hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap \
  && rm -rf /var/lib/apt/lists/*
 
@@ -13,9 +19,9 @@ COPY admm_dist ./admm_dist
 COPY launch ./launch
 COPY configs ./configs
 COPY assets ./assets
-# the trackers (report_to=tensorboard|wandb) and the plot command come with the image
-RUN python -m pip install --no-cache-dir -e ".[tensorboard,wandb,plot]" \
- && python -c "import admm_dist, torch; print('torch', torch.__version__)"
+# the package (not editable) with the trackers (report_to=tensorboard|wandb) and the plot command
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN bash launch/install.sh image
 
 ENV OMP_NUM_THREADS=1
 # Default: the CPU demo on the shipped stand-in (accuracy before, on-policy collection and

