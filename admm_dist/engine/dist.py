@@ -6,6 +6,8 @@ and meshes. torchrun's environment is read by :mod:`admm_dist.engine.env`.
 - :func:`build_mesh` creates, from a run's placement, every group beyond the default and control
   ones: for W = k x N the (N, k) device mesh of the seat groups and of the columns across seats
   (:class:`RankMesh`; :mod:`admm_dist.engine.seat_group`).
+- :func:`rehearsal_world` is one rank of a world of any size in one process, on torch's
+  ``fake`` backend, for rehearsing a job (:mod:`admm_dist.training.rehearsal`).
 - :func:`distributed` is a context manager that binds the device from
   ``LOCAL_RANK``, creates the default process group with a collective timeout and
   the gloo group of control agreement (:mod:`admm_dist.engine.control`), enters only
@@ -277,6 +279,30 @@ def distributed(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S,
 # gloo's own text when a peer went away or a wait ran out (a RuntimeError, not a DistError)
 _LOST_PEER = re.compile(r"Connection (?:closed|reset) by peer|Timed out waiting|timed out connecting|"
                         r"Operation timed out|Application timeout caused pair closure|Broken pipe")
+
+@contextlib.contextmanager
+def rehearsal_world(rank: int, world_size: int, *, local_world_size: Optional[int] = None,
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[DistContext]:
+    """Rank ``rank`` of a world of ``world_size`` ranks in this one process, on torch's ``fake``
+    backend: every collective returns at once and writes nothing, so a rank's code runs at the
+    job's real world size with no peers (a rehearsal: :mod:`admm_dist.training.rehearsal`). The
+    device is the CPU (a ``cuda`` mesh needs a CUDA build; bytes do not depend on the device).
+    No control group and no roll call: nothing is agreed."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # registers the backend
+
+    if dist.is_initialized():
+        raise DistConfigError("a default process group already exists in this process: rehearse "
+                              "in a process of its own")
+    per_node = local_world_size or world_size
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=rank % per_node,
+                  master_addr="rehearsal", master_port=1)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield DistContext(env=env, device=torch.device("cpu"), backend="fake",
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    finally:
+        dist.destroy_process_group()
+
 
 
 def backend_failure(e: BaseException) -> bool:

@@ -211,7 +211,9 @@ class BOnlyLoRA:
                           target_modules=list(config.target_modules),
                           layers_to_transform=list(self.layers), lora_dropout=0.0, bias="none",
                           task_type="CAUSAL_LM")
-        self.model = get_peft_model(model, lcfg, adapter_name=ADAPTER_NAME)
+        # PEFT makes its A and B on the meta device (nothing drawn, nothing allocated): both are
+        # replaced below by this adapter's own parameters
+        self.model = get_peft_model(model, lcfg, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=True)
 
         base = self.model.get_base_model()
         lora_layers = sorted(((name, mod) for name, mod in base.named_modules()
@@ -235,8 +237,7 @@ class BOnlyLoRA:
             bound = 1.0 / math.sqrt(fan_in)
             a = torch.empty(r, fan_in, dtype=torch.float32).uniform_(-bound, bound, generator=gen)
             a_cpu.append(a)
-            lin.weight.data = a.to(device)
-            lin.weight.requires_grad_(False)
+            lin.weight = torch.nn.Parameter(a.to(device), requires_grad=False)
             self._a_weights.append(lin.weight)
         self._basis_hash = _hash_tensors(a_cpu)
         del a_cpu
@@ -256,9 +257,8 @@ class BOnlyLoRA:
             lin_b = mod.lora_B[ADAPTER_NAME]
             if getattr(lin_b, "bias", None) is not None:  # pragma: no cover - bias="none"
                 raise AdapterError(f"lora_B of {name} has a bias: BOnlyLoRA needs bias='none'")
-            w = lin_b.weight
-            w.data = self.flat[off:off + n].view(out, r)
-            w.requires_grad_(True)
+            # a parameter that shares flat's storage
+            w = lin_b.weight = torch.nn.Parameter(self.flat[off:off + n].view(out, r))
             w.grad = self.flat_grad[off:off + n].view(out, r)
             self._b_weights.append(w)
             self._layout.append((name, (out, r), off))

@@ -106,6 +106,11 @@ class ObjectiveConfig:
     def paired(self) -> bool:
         return self.fit_mode == "dpo"
 
+    @property
+    def needs_reference(self) -> bool:
+        """DPO's margin and the KL term are taken against reference log-probs."""
+        return self.paired or self.kl_beta > 0
+
 
 # ----------------------------------------------------------------------------- log-probs
 
@@ -241,8 +246,7 @@ def loss(model: torch.nn.Module, batch: Batch, cfg: ObjectiveConfig,
     if batch.paired != cfg.paired:
         raise UserError(f"fit_mode {cfg.fit_mode} got a {'paired' if batch.paired else 'single'}"
                         f" batch: encode and collate the examples with the same fit_mode")
-    need_ref = cfg.paired or cfg.kl_beta > 0
-    if need_ref and batch.ref_logps is None:
+    if cfg.needs_reference and batch.ref_logps is None:
         raise UserError("the batch has no reference log-probs: call precompute_reference() "
                         "on the encoded examples before training"
                         + ("" if cfg.paired else " (or set kl_beta 0)"))

@@ -256,7 +256,6 @@ def load_sharded(src: str, device: torch.device, mesh: "DeviceMesh", dtype: torc
     :attr:`admm_dist.engine.dist.RankMesh.shard`), each rank reading only its own rows from the
     safetensors files."""
     from accelerate import init_empty_weights
-    from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = _local_folder(src)
@@ -269,12 +268,7 @@ def load_sharded(src: str, device: torch.device, mesh: "DeviceMesh", dtype: torc
     check_shapes(config, files, folder)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.tie_weights()                    # a tied head is the embedding's parameter, held once
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    for layer in decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard([decoder, head] if head is not None else decoder, mesh=mesh)
-    fully_shard(model, mesh=mesh)          # the root: no parameters of its own
+    shard_groups(model, mesh)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)          # allocates each rank's shards only
     with torch.no_grad():
@@ -283,9 +277,28 @@ def load_sharded(src: str, device: torch.device, mesh: "DeviceMesh", dtype: torc
         for name, p in model.named_parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
             files.read_rows(name, first_row(p), local)
-    with torch.no_grad():   # FSDP2 takes its root to be the first module run: run the model once
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    run_root(model, device)
     return model.eval()
+
+
+def shard_groups(model, mesh: "DeviceMesh") -> None:
+    """Make ``model`` (built without memory) FSDP2's: one group per decoder layer, the embedding
+    with the final norm and the output head one more, the causal LM the root. Also what a
+    rehearsal of the job shards (:mod:`admm_dist.training.rehearsal`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model.tie_weights()                    # a tied head is the embedding's parameter, held once
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    for layer in decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard([decoder, head] if head is not None else decoder, mesh=mesh)
+    fully_shard(model, mesh=mesh)          # the root: no parameters of its own
+
+
+def run_root(model, device) -> None:
+    """FSDP2 takes its root to be the first module run: run the sharded model once, on one token."""
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
 
 
 def check_shapes(config, files: WeightFiles, folder: str) -> None:

@@ -11,8 +11,9 @@ the clipping and Adam's step run the same way on every rank of the group.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 import torch
 
@@ -78,3 +79,25 @@ class LocalSteps:
         summed = self.seat.ordered_sum(torch.stack(rows))
         ad.flat_grad.copy_(summed[:-1])
         return float(summed[-1])
+
+
+def checkpoint_activations(model: Any, cfg: "TrainConfig", device_type: str) -> None:
+    """Gradient checkpointing trades compute for activation memory: on by default on GPU
+    (``no_grad_checkpointing`` turns it off); a CPU run has the memory and would only pay the
+    recomputation (about +50% per step)."""
+    if not cfg.no_grad_checkpointing and device_type == "cuda":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+
+
+def reference_logps(cfg: "TrainConfig", adapter: "BOnlyLoRA", seat: SeatGroup, enc: Sequence[bt.Encoded],
+                    vec: Optional[torch.Tensor], pad_id: int, show: bool = False) -> None:
+    """Reference log-probs of ``enc``, once per example: under the adapter state ``vec`` (``kl_ref
+    collect``: the policy that collected them), or adapters off (None); a seat's k ranks
+    compute a batch each in turn and share them."""
+    if vec is not None:
+        adapter.load_vector(vec)
+    model = adapter.model
+    ctx = (lambda: contextlib.nullcontext(model)) if vec is not None else adapter.disabled
+    obj.precompute_reference(model, enc, batch_size=max(1, cfg.batch_size), ref_context=ctx, pad_id=pad_id,
+                             show=show, part=(seat.index, seat.k), gather=seat.gather)

@@ -18,7 +18,6 @@ and the progress bars :mod:`admm_dist.core.progress` (rank 0, not ``quiet``, on 
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import resource
@@ -54,18 +53,19 @@ from admm_dist.training import pipeline, resume
 from admm_dist.training.collecting import (CollectionRunner, kl_references, node_vectors, record_collection,
                                            seat_states)
 from admm_dist.training.config import RESUMABLE, TrainConfig
-from admm_dist.training.local_steps import LocalSteps
+from admm_dist.training.local_steps import LocalSteps, checkpoint_activations, reference_logps
 from admm_dist.training.outputs import RefusedError, RunOutputs, delta_w_rel, refusal
 from admm_dist.training.report import TrainReport
 from admm_dist.training.state import BestRound, NodeState, RunRecord
 from admm_dist.training.tracking import Tracker, final_scalars, round_scalars
 
 
-def build_communicator(cfg: TrainConfig, ctx: DistContext,
-                       placement: Placement) -> Tuple[Communicator, RankMesh]:
+def build_communicator(cfg: TrainConfig, ctx: DistContext, placement: Placement,
+                       collecting: bool) -> Tuple[Communicator, RankMesh]:
     """The communicator of this launch and where this rank sits: a block of nodes per rank under
     torchrun (W <= N), or k ranks per node (W = k x N, the leaders carrying the consensus); all
-    nodes in one process otherwise (``placement`` has refused any other W)."""
+    nodes in one process otherwise (``placement`` has refused any other W). ``collecting``: the
+    run collects on-policy (a sharded backbone cannot serve the seat's ranks' rollouts)."""
     n, k = cfg.n_nodes(), placement.k
     if ctx.env.is_distributed:
         if cfg.backend == "local":
@@ -73,7 +73,7 @@ def build_communicator(cfg: TrainConfig, ctx: DistContext,
                             "without torchrun (python -m admm_dist.train ...)")
         if k > 1:
             check_micro_batches(cfg.micro_batches, k)
-            if cfg.shard_backbone and (pipeline.needs_collection(cfg) or cfg.recollect_every):
+            if cfg.shard_backbone and (collecting or cfg.recollect_every):
                 raise UserError("shard_backbone=true with on-policy collection: the ranks of a seat "
                                 "generate different rollouts, which a sharded backbone cannot serve; collect "
                                 "without it (drop shard_backbone=) or train from a fit set (fitset_cache=)")
@@ -138,7 +138,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.placement = Placement(cfg.n_nodes(), self.ctx.world_size)   # refuses a W it cannot place
-        self.comm, self.mesh = build_communicator(self.cfg, self.ctx, self.placement)
+        self.comm, self.mesh = build_communicator(self.cfg, self.ctx, self.placement, self.needs_collection())
         self.seat = self.mesh.seat
         self.control = control_for(self.ctx, self.placement.rank_blocks())
         if self.ctx.env.is_distributed:
@@ -155,11 +155,7 @@ class Trainer:
         model, self.tokenizer = self.load_backbone()
         self.adapter = BOnlyLoRA(model, cfg.adapter_config())
         self.model = self.adapter.model
-        # Checkpointing trades compute for activation memory: on by default on GPU; a CPU
-        # run has the memory and would only pay the recomputation (about +50% per step).
-        if not cfg.no_grad_checkpointing and self.ctx.device.type == "cuda":
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.model.enable_input_require_grads()
+        checkpoint_activations(self.model, cfg, self.ctx.device.type)
         self.check_basis()
         self.ocfg = cfg.objective_config()
         self.local_steps = LocalSteps(cfg, self.model, self.adapter, self.ocfg, self.tokenizer.pad_token_id,
@@ -265,12 +261,7 @@ class Trainer:
         """Reference log-probs, once per example: under the adapter state ``vec`` (``kl_ref
         collect``: the policy that collected them), or adapters off (None); a seat's k ranks
         compute a batch each in turn and share them."""
-        if vec is not None:
-            self.adapter.load_vector(vec)
-        ctx = (lambda: contextlib.nullcontext(self.model)) if vec is not None else self.adapter.disabled
-        obj.precompute_reference(self.model, enc, batch_size=max(1, self.cfg.batch_size), ref_context=ctx,
-                                 pad_id=self.tokenizer.pad_token_id, show=self.show,
-                                 part=(self.seat.index, self.seat.k), gather=self.seat.gather)
+        reference_logps(self.cfg, self.adapter, self.seat, enc, vec, self.tokenizer.pad_token_id, self.show)
 
     # ------------------------------------------------------------------ x-step
     def xstep(self, node: int, x: torch.Tensor, centre: Optional[torch.Tensor], rho: float) -> float:

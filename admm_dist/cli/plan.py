@@ -1,0 +1,192 @@
+"""Rehearse a GPU job on this machine's CPU before it runs: will it fit, and how should it be placed?
+
+usage: python -m admm_dist.plan --config FILE.yaml --nproc_per_node P [--nnodes M]
+                                --device_memory 80GiB [--json PATH] [overrides ...]
+
+The job is the training command of this config and overrides (checked as the trainer checks
+them) launched on M nodes of P GPUs each (W = M x P ranks). Each kind of rank it would have (a
+seat's only rank; or a seat group's leader and a follower) is rehearsed at the job's real world
+size and shapes, on fake tensors and torch's fake process group: the trainer's own set-up and one
+local step of its x-step (admm_dist/training/rehearsal.py). ``model_name`` only needs its
+``config.json`` (assets/shapes/ holds Qwen3-8B's and Qwen3-1.7B's).
+
+It prints, per kind of rank, the memory by category and its peak, and the bytes the rank sends
+a round; then the verdict: the job fits when every peak is at most 90% of --device_memory (the
+CUDA context and the allocator's slack are not counted). When it does not, the smallest change
+that fits among doubling micro_batches, shard_backbone=true, twice the ranks per seat and half
+the target tokens (each rehearsed, one at a time, then together) is named with its launch line.
+Exit code 0: fits; 3: does not fit; 2: bad input (one line).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import multiprocessing
+import re
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+PROG = "admm_dist.plan"
+HEADROOM = 0.9          # the share of a device's memory a plan may fill
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(GiB|GB|G|MiB|MB|M)?\s*$", re.IGNORECASE)
+_UNITS = {"gib": 1 << 30, "g": 1 << 30, "gb": 10 ** 9, "mib": 1 << 20, "m": 1 << 20, "mb": 10 ** 6, "": 1}
+
+
+def parse_size(text: str) -> int:
+    """``80GiB``, ``24G`` (GiB), ``40GB``, ``512MiB`` or a number of bytes -> bytes."""
+    m = _SIZE.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"--device_memory {text!r}: give a size such as 80GiB, 40GB or 24G")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def _unit(plans: Sequence[dict]) -> Tuple[str, int]:
+    """GiB, or MiB for a job whose every rank holds less than 1 GiB."""
+    return ("GiB", 1 << 30) if max(p["peak"] for p in plans) >= 1 << 30 else ("MiB", 1 << 20)
+
+
+def _one(argv: List[str], world: int, rank: int, per_node: int, device_memory: int) -> dict:
+    """One rank's rehearsal (in a process of its own: one fake world per process)."""
+    from admm_dist.core import config_file
+    from admm_dist.core.libraries import quiet_libraries
+    from admm_dist.training.config import TrainConfig
+    from admm_dist.training.rehearsal import rehearse
+
+    quiet_libraries()
+    cfg = config_file.load(TrainConfig, argv)
+    return rehearse(cfg, world, rank, per_node=per_node, device_memory=device_memory).to_dict()
+
+
+def _kinds(n_nodes: int, world: int) -> List[int]:
+    """One rank of each kind: rank 0 (a seat's only rank, or a leader: the most nodes, the
+    consensus) and, with k > 1 ranks per seat, rank 1 (a follower)."""
+    return [0, 1] if world > n_nodes else [0]
+
+
+def rehearse_job(argv: List[str], nnodes: int, per_node: int, device_memory: int) -> List[dict]:
+    """Every kind of rank of the job, rehearsed in parallel (two at a time)."""
+    from admm_dist.core import config_file
+    from admm_dist.engine.placement import Placement
+    from admm_dist.training.config import TrainConfig
+
+    cfg = config_file.load(TrainConfig, argv)      # bad settings: refused here, as the trainer would
+    world = nnodes * per_node
+    Placement(cfg.n_nodes(), world)                  # a world it cannot place: refused here
+    ranks = _kinds(cfg.n_nodes(), world)
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(2, len(ranks)), mp_context=spawn) as pool:
+        return list(pool.map(_one, [argv] * len(ranks), [world] * len(ranks), ranks,
+                             [per_node] * len(ranks), [device_memory] * len(ranks)))
+
+
+def fits(plans: Sequence[dict], device_memory: int) -> bool:
+    return all(p["peak"] <= HEADROOM * device_memory for p in plans)
+
+
+def table(plans: Sequence[dict], device_memory: int) -> str:
+    from admm_dist.training.rehearsal import CATEGORIES
+
+    unit, size = _unit(plans)
+    shown = lambda n: f"{n / size:.2f}"  # noqa: E731
+    head = [unit] + [f"rank {p['rank']} ({p['kind']})" for p in plans]
+    rows = [[c] + [shown(p["memory"][c]) for p in plans] for c in CATEGORIES]
+    rows.append(["peak"] + [shown(p["peak"]) for p in plans])
+    rows.append([f"device ({HEADROOM:.0%})"] + [shown(int(HEADROOM * device_memory))] * len(plans))
+    sent = sorted({k for p in plans for k in p["sent"]})
+    for k in sent:
+        rows.append([f"sent/round {k} (MiB)"] + [f"{p['sent'].get(k, 0) / (1 << 20):.1f}" for p in plans])
+    rows.append(["rehearsed in (s)"] + [f"{p['seconds']:.1f}" for p in plans])
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in [head] + rows)
+
+
+def _changes(argv: List[str], nnodes: int, per_node: int) -> List[Tuple[str, List[str], int, int]]:
+    """The changes tried when a job does not fit: (what, argv, nnodes, nproc_per_node)."""
+    from admm_dist.core import config_file
+    from admm_dist.training.config import TrainConfig
+
+    cfg = config_file.load(TrainConfig, argv)
+    out = []
+    if cfg.micro_batches * 2 <= cfg.batch_size:
+        m = cfg.micro_batches * 2
+        out.append((f"micro_batches={m}", argv + [f"micro_batches={m}"], nnodes, per_node))
+    world = nnodes * per_node
+    if world > cfg.n_nodes() and not cfg.shard_backbone:
+        out.append(("shard_backbone=true", argv + ["shard_backbone=true"], nnodes, per_node))
+    k2 = 2 * world // cfg.n_nodes() if world >= cfg.n_nodes() else 0
+    if k2 and cfg.micro_batches % k2 == 0:   # the backbone over twice the ranks of a seat
+        out.append((f"{k2} ranks per seat, sharded (--nnodes {nnodes * 2})", argv + ["shard_backbone=true"],
+                    nnodes * 2, per_node))
+    t = max(1, cfg.max_target_tokens // 2)
+    out.append((f"max_target_tokens={t}", argv + [f"max_target_tokens={t}"], nnodes, per_node))
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from admm_dist.core.errors import UserError
+
+    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n")[0], add_help=True)
+    ap.add_argument("--nproc_per_node", type=int, required=True, help="GPUs (ranks) per node")
+    ap.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
+    ap.add_argument("--device_memory", required=True, help="memory of one GPU, e.g. 80GiB, 40GB, 24G")
+    ap.add_argument("--json", default=None, help="also write the plans and verdict here")
+    ap.add_argument("--no_fix", action="store_true", help="do not look for a change that fits")
+    args, rest = ap.parse_known_args(argv)
+    try:
+        memory = parse_size(args.device_memory)
+        if args.nproc_per_node < 1 or args.nnodes < 1:
+            raise ValueError(f"--nnodes {args.nnodes} --nproc_per_node {args.nproc_per_node}: "
+                             "both must be >= 1")
+    except ValueError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        plans = rehearse_job(rest, args.nnodes, args.nproc_per_node, memory)
+        ok = fits(plans, memory)
+        world = args.nnodes * args.nproc_per_node
+        print(f"rehearsed: {world} ranks ({args.nnodes} x {args.nproc_per_node}), {args.device_memory} each")
+        print(table(plans, memory))
+        verdict = {"fits": ok, "plans": plans, "fix": None}
+        if ok:
+            print(f"verdict: fits (every peak <= {HEADROOM:.0%} of {args.device_memory})")
+        else:
+            print(f"verdict: does not fit in {args.device_memory}")
+            if not args.no_fix:
+                verdict["fix"] = _find_fix(rest, args.nnodes, args.nproc_per_node, memory)
+    except UserError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        from admm_dist.core.io import atomic_write_json
+
+        atomic_write_json(args.json, verdict)
+    return 0 if ok else 3
+
+
+def _find_fix(argv: List[str], nnodes: int, per_node: int, memory: int) -> Optional[Dict[str, object]]:
+    """The first single change that fits, else all of them together; each rehearsed."""
+    changes = _changes(argv, nnodes, per_node)
+    together = (" and ".join(c[0] for c in changes), argv + [a for c in changes for a in c[1][len(argv):]],
+                max(c[2] for c in changes), per_node)
+    for what, new, n, p in changes + [together]:
+        print(f"rehearsing: {what} ...", flush=True)
+        try:
+            plans = rehearse_job(new, n, p, memory)
+        except Exception as e:   # a change the trainer refuses (e.g. sharding while collecting)
+            print(f"  refused: {str(e).splitlines()[0][:200]}")
+            continue
+        peak = max(q["peak"] for q in plans)
+        unit, size = _unit(plans)
+        print(f"  peak {peak / size:.2f} {unit}: {'fits' if fits(plans, memory) else 'does not fit'}")
+        if fits(plans, memory):
+            line = (f"torchrun --nnodes {n} --nproc_per_node {p} -m admm_dist.train "
+                    + " ".join(new))
+            print(f"fix: {what}\n  {line}")
+            return {"change": what, "argv": new, "nnodes": n, "nproc_per_node": p, "peak": peak}
+    print("fix: none of the changes tried fits: use devices with more memory or a smaller backbone")
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
