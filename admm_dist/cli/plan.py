@@ -63,8 +63,10 @@ def _kinds(n_nodes: int, world: int) -> List[int]:
     return [0, 1] if world > n_nodes else [0]
 
 
-def rehearse_job(argv: List[str], nnodes: int, per_node: int, device_memory: int) -> List[dict]:
-    """Every kind of rank of the job, rehearsed in parallel (two at a time)."""
+def rehearse_job(argv: List[str], nnodes: int, per_node: int, device_memory: int,
+                 pool: Optional[concurrent.futures.Executor] = None) -> List[dict]:
+    """Every kind of rank of the job: one in this process, two at a time in ``pool``'s (each
+    rehearsal makes a fake world of its own, one per process at a time)."""
     from admm_dist.core import config_file
     from admm_dist.engine.placement import Placement
     from admm_dist.training.config import TrainConfig
@@ -73,10 +75,15 @@ def rehearse_job(argv: List[str], nnodes: int, per_node: int, device_memory: int
     world = nnodes * per_node
     Placement(cfg.n_nodes(), world)                  # a world it cannot place: refused here
     ranks = _kinds(cfg.n_nodes(), world)
-    spawn = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(2, len(ranks)), mp_context=spawn) as pool:
-        return list(pool.map(_one, [argv] * len(ranks), [world] * len(ranks), ranks,
-                             [per_node] * len(ranks), [device_memory] * len(ranks)))
+    if len(ranks) == 1 or pool is None:
+        return [_one(argv, world, r, per_node, device_memory) for r in ranks]
+    return list(pool.map(_one, [argv] * len(ranks), [world] * len(ranks), ranks,
+                         [per_node] * len(ranks), [device_memory] * len(ranks)))
+
+
+def workers() -> concurrent.futures.Executor:
+    """Two worker processes (spawned: no fake world is inherited), kept for every rehearsal."""
+    return concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn"))
 
 
 def fits(plans: Sequence[dict], device_memory: int) -> bool:
@@ -141,8 +148,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    pool = workers()
     try:
-        plans = rehearse_job(rest, args.nnodes, args.nproc_per_node, memory)
+        plans = rehearse_job(rest, args.nnodes, args.nproc_per_node, memory, pool)
         ok = fits(plans, memory)
         world = args.nnodes * args.nproc_per_node
         print(f"rehearsed: {world} ranks ({args.nnodes} x {args.nproc_per_node}), {args.device_memory} each")
@@ -153,10 +161,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             print(f"verdict: does not fit in {args.device_memory}")
             if not args.no_fix:
-                verdict["fix"] = _find_fix(rest, args.nnodes, args.nproc_per_node, memory)
+                verdict["fix"] = _find_fix(rest, args.nnodes, args.nproc_per_node, memory, pool)
     except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        pool.shutdown(cancel_futures=True)
     if args.json:
         from admm_dist.core.io import atomic_write_json
 
@@ -164,7 +174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0 if ok else 3
 
 
-def _find_fix(argv: List[str], nnodes: int, per_node: int, memory: int) -> Optional[Dict[str, object]]:
+def _find_fix(argv: List[str], nnodes: int, per_node: int, memory: int,
+              pool: concurrent.futures.Executor) -> Optional[Dict[str, object]]:
     """The first single change that fits, else all of them together; each rehearsed."""
     changes = _changes(argv, nnodes, per_node)
     together = (" and ".join(c[0] for c in changes), argv + [a for c in changes for a in c[1][len(argv):]],
@@ -172,7 +183,7 @@ def _find_fix(argv: List[str], nnodes: int, per_node: int, memory: int) -> Optio
     for what, new, n, p in changes + [together]:
         print(f"rehearsing: {what} ...", flush=True)
         try:
-            plans = rehearse_job(new, n, p, memory)
+            plans = rehearse_job(new, n, p, memory, pool)
         except Exception as e:   # a change the trainer refuses (e.g. sharding while collecting)
             print(f"  refused: {str(e).splitlines()[0][:200]}")
             continue
