@@ -12,9 +12,10 @@ local step of its x-step (admm_dist/training/rehearsal.py). ``model_name`` only 
 
 It prints, per kind of rank, the memory by category and its peak, and the bytes the rank sends
 a round; then the verdict: the job fits when every peak is at most 90% of --device_memory (the
-CUDA context and the allocator's slack are not counted). When it does not, the smallest change
-that fits among doubling micro_batches, shard_backbone=true, twice the ranks per seat and half
-the target tokens (each rehearsed, one at a time, then together) is named with its launch line.
+CUDA context and the allocator's slack are not counted). When it does not, the first change
+that fits is named with its launch line, each rehearsed, tried in the order of what it costs:
+more micro-batches, the backbone sharded over a seat's ranks, twice then four times the ranks
+per seat, shorter targets.
 Exit code 0: fits; 3: does not fit; 2: bad input (one line).
 """
 from __future__ import annotations
@@ -83,7 +84,8 @@ def rehearse_job(argv: List[str], nnodes: int, per_node: int, device_memory: int
 
 def workers() -> concurrent.futures.Executor:
     """Two worker processes (spawned: no fake world is inherited), kept for every rehearsal."""
-    return concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn"))
+    spawn = multiprocessing.get_context("spawn")
+    return concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=spawn)
 
 
 def fits(plans: Sequence[dict], device_memory: int) -> bool:
@@ -108,25 +110,40 @@ def table(plans: Sequence[dict], device_memory: int) -> str:
                      for r in [head] + rows)
 
 
-def _changes(argv: List[str], nnodes: int, per_node: int) -> List[Tuple[str, List[str], int, int]]:
-    """The changes tried when a job does not fit: (what, argv, nnodes, nproc_per_node)."""
+def _changes(argv: List[str], nnodes: int, per_node: int, resident_fits: bool
+             ) -> List[Tuple[str, List[str], int, int]]:
+    """The changes tried when a job does not fit, in the order of what they cost: (what, argv,
+    nnodes, nproc_per_node). More micro-batches (time only), the backbone sharded over the
+    seat's ranks, twice then four times the ranks per seat (sharded), then shorter targets; each
+    with the fewest micro-batches the seat group can share. ``resident_fits``: what the job
+    holds but its activations fits the device, so fewer activations alone may do."""
     from admm_dist.core import config_file
     from admm_dist.training.config import TrainConfig
 
     cfg = config_file.load(TrainConfig, argv)
+    n, world = cfg.n_nodes(), nnodes * per_node
+    k = world // n if world >= n else 1
+
+    def micro(ks: int) -> List[int]:   # micro_batches a seat of ks ranks can share, up to batch_size
+        doubled = (cfg.micro_batches * 2 ** i for i in range(8))
+        return [m for m in doubled if m <= cfg.batch_size and m % ks == 0]
+
     out = []
-    if cfg.micro_batches * 2 <= cfg.batch_size:
-        m = cfg.micro_batches * 2
-        out.append((f"micro_batches={m}", argv + [f"micro_batches={m}"], nnodes, per_node))
-    world = nnodes * per_node
-    if world > cfg.n_nodes() and not cfg.shard_backbone:
-        out.append(("shard_backbone=true", argv + ["shard_backbone=true"], nnodes, per_node))
-    k2 = 2 * world // cfg.n_nodes() if world >= cfg.n_nodes() else 0
-    if k2 and cfg.micro_batches % k2 == 0:   # the backbone over twice the ranks of a seat
-        out.append((f"{k2} ranks per seat, sharded (--nnodes {nnodes * 2})", argv + ["shard_backbone=true"],
-                    nnodes * 2, per_node))
-    t = max(1, cfg.max_target_tokens // 2)
-    out.append((f"max_target_tokens={t}", argv + [f"max_target_tokens={t}"], nnodes, per_node))
+    if resident_fits:
+        out += [(f"micro_batches={m}", argv + [f"micro_batches={m}"], nnodes, per_node)
+                for m in micro(k) if m > cfg.micro_batches]
+    grown = [(k, nnodes)] if k > 1 and not cfg.shard_backbone else []
+    grown += [(k * f, nnodes * f) for f in (2, 4) if world >= n]
+    for ks, nn in grown:
+        for m in micro(ks):
+            more = f", {ks} ranks per seat (--nnodes {nn})" if nn != nnodes else ""
+            out.append((f"shard_backbone=true, micro_batches={m}{more}",
+                        argv + ["shard_backbone=true", f"micro_batches={m}"], nn, per_node))
+    for t in (cfg.max_target_tokens // 2, cfg.max_target_tokens // 4):
+        if t >= 1:
+            m = (micro(k) or [cfg.micro_batches])[-1]
+            out.append((f"max_target_tokens={t}, micro_batches={m}",
+                        argv + [f"max_target_tokens={t}", f"micro_batches={m}"], nnodes, per_node))
     return out
 
 
@@ -161,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             print(f"verdict: does not fit in {args.device_memory}")
             if not args.no_fix:
-                verdict["fix"] = _find_fix(rest, args.nnodes, args.nproc_per_node, memory, pool)
+                verdict["fix"] = _find_fix(rest, args.nnodes, args.nproc_per_node, memory, plans, pool)
     except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
@@ -174,25 +191,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0 if ok else 3
 
 
-def _find_fix(argv: List[str], nnodes: int, per_node: int, memory: int,
+def _find_fix(argv: List[str], nnodes: int, per_node: int, memory: int, plans: Sequence[dict],
               pool: concurrent.futures.Executor) -> Optional[Dict[str, object]]:
-    """The first single change that fits, else all of them together; each rehearsed."""
-    changes = _changes(argv, nnodes, per_node)
-    together = (" and ".join(c[0] for c in changes), argv + [a for c in changes for a in c[1][len(argv):]],
-                max(c[2] for c in changes), per_node)
-    for what, new, n, p in changes + [together]:
+    """The first change of :func:`_changes` that fits, each rehearsed."""
+    resident_fits = all(p["peak"] - p["memory"]["activations"] <= HEADROOM * memory for p in plans)
+    for what, new, n, p in _changes(argv, nnodes, per_node, resident_fits):
         print(f"rehearsing: {what} ...", flush=True)
         try:
-            plans = rehearse_job(new, n, p, memory, pool)
+            tried = rehearse_job(new, n, p, memory, pool)
         except Exception as e:   # a change the trainer refuses (e.g. sharding while collecting)
             print(f"  refused: {str(e).splitlines()[0][:200]}")
             continue
-        peak = max(q["peak"] for q in plans)
-        unit, size = _unit(plans)
-        print(f"  peak {peak / size:.2f} {unit}: {'fits' if fits(plans, memory) else 'does not fit'}")
-        if fits(plans, memory):
-            line = (f"torchrun --nnodes {n} --nproc_per_node {p} -m admm_dist.train "
-                    + " ".join(new))
+        peak = max(q["peak"] for q in tried)
+        unit, size = _unit(tried)
+        print(f"  peak {peak / size:.2f} {unit}: {'fits' if fits(tried, memory) else 'does not fit'}")
+        if fits(tried, memory):
+            line = f"torchrun --nnodes {n} --nproc_per_node {p} -m admm_dist.train " + " ".join(new)
             print(f"fix: {what}\n  {line}")
             return {"change": what, "argv": new, "nnodes": n, "nproc_per_node": p, "peak": peak}
     print("fix: none of the changes tried fits: use devices with more memory or a smaller backbone")
