@@ -405,6 +405,12 @@ class TrainConfig:
     def role(self, seat: int) -> str:
         return role_name(seat)
 
+    @property
+    def forward_rows(self) -> int:
+        """Examples one forward takes at once outside the x-step too (reference log-probs, held-out
+        NLL): a micro-batch's, so that ``micro_batches`` bounds every pass's activations."""
+        return max(1, self.batch_size // self.micro_batches)
+
     def n_nodes(self) -> int:
         if self.pooled:
             return 1

@@ -99,5 +99,5 @@ def reference_logps(cfg: "TrainConfig", adapter: "BOnlyLoRA", seat: SeatGroup, e
         adapter.load_vector(vec)
     model = adapter.model
     ctx = (lambda: contextlib.nullcontext(model)) if vec is not None else adapter.disabled
-    obj.precompute_reference(model, enc, batch_size=max(1, cfg.batch_size), ref_context=ctx, pad_id=pad_id,
+    obj.precompute_reference(model, enc, batch_size=cfg.forward_rows, ref_context=ctx, pad_id=pad_id,
                              show=show, part=(seat.index, seat.k), gather=seat.gather)

@@ -368,7 +368,7 @@ class Trainer:
             self.adapter.load_vector(self.engine.z[k])
             if share and node not in self.dev_encoded:   # the held-out share is fixed
                 self.dev_encoded[node] = bt.encode(self.tokenizer, share, self.ocfg)
-            rows.append(list(obj.nll_sum(self.model, self.dev_encoded.get(node, []), self.cfg.batch_size,
+            rows.append(list(obj.nll_sum(self.model, self.dev_encoded.get(node, []), self.cfg.forward_rows,
                                          self.tokenizer.pad_token_id)))
         table = self.control.table(torch.tensor(rows, dtype=torch.float64))
         return float(table[:, 0].sum() / table[:, 1].sum().clamp_min(1))
