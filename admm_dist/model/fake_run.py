@@ -43,7 +43,7 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 
 class _Values(TorchDispatchMode):
-    """Real where every input is real and small; a stand-in for a fake value read back."""
+    """Real where every input is real (or a small factory); a stand-in for a fake value read back."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
