@@ -111,7 +111,8 @@ def _kv_cache(cfg: TrainConfig, shapes, dtype: torch.dtype, device_memory: Optio
     layers = shapes.num_hidden_layers
     heads = getattr(shapes, "num_key_value_heads", None) or shapes.num_attention_heads
     head_dim = getattr(shapes, "head_dim", None) or shapes.hidden_size // shapes.num_attention_heads
-    tokens = cfg.gen_batch_size * (cfg.text_mas_context_length + cfg.max_new_tokens)
+    context = cfg.text_mas_context_length or cfg.max_prompt_tokens   # None: the chain's whole context
+    tokens = cfg.gen_batch_size * (context + cfg.max_new_tokens)
     return tokens * layers * 2 * heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
@@ -131,7 +132,6 @@ def rehearse(cfg: TrainConfig, world: int, rank: int, *, per_node: Optional[int]
         sharded = cfg.shard_backbone and placement.k > 1
         with torch.device("meta"):   # shapes only: nothing is allocated, not even fake
             model = AutoModelForCausalLM.from_config(shapes, dtype=dtype)
-        model.tie_weights()          # a tied head is the embedding's parameter, held once
         if sharded:
             shard_groups(model, mesh.shard)
         with FakeRun() as run:
