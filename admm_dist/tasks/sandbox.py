@@ -185,20 +185,28 @@ def describe(allow_unisolated: Optional[bool] = None, bwrap: Optional[str] = Non
 
 
 # --------------------------------------------------------------------------- running
-def _limits(memory_mb: int, cpu_s: int, nproc: bool):
-    """The preexec_fn: only setrlimit calls, set in the child between fork and exec."""
-    def apply() -> None:
-        mem = int(memory_mb) << 20
-        for what, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu_s),
-                            (resource.RLIMIT_FSIZE, FSIZE_MB << 20), (resource.RLIMIT_CORE, 0),
-                            (resource.RLIMIT_NOFILE, NOFILE)):
-            resource.setrlimit(what, (value, value))
-        if nproc:  # per-user count; lowering it may be refused or meaningless (root): best effort
-            try:
-                resource.setrlimit(resource.RLIMIT_NPROC, (NPROC, NPROC))
-            except (ValueError, OSError):
-                pass
-    return apply
+# Sets the resource limits, then execs the command (argv[2:]) in the same process. It runs as a
+# program of its own rather than as a preexec_fn: Python code between fork and exec can deadlock
+# on a lock another thread held at the fork, and two sandboxes started from two threads did.
+_WITH_LIMITS = (
+    "import os, resource, sys\n"
+    "mem, cpu, fsize, nofile, nproc = map(int, sys.argv[1].split(','))\n"
+    "for what, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_CORE, 0),\n"
+    "                    (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, nofile)):\n"
+    "    resource.setrlimit(what, (value, value))\n"
+    "if nproc:  # per-user count; lowering it may be refused or meaningless (root): best effort\n"
+    "    try:\n"
+    "        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))\n"
+    "    except (ValueError, OSError):\n"
+    "        pass\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def _with_limits(argv, memory_mb: int, cpu_s: int, nproc: bool) -> list:
+    """``argv`` run under the sandbox's resource limits (address space, CPU seconds, written-file
+    size, open files, no core dumps, and the task count where ``nproc``)."""
+    limits = f"{int(memory_mb) << 20},{cpu_s},{FSIZE_MB << 20},{NOFILE},{NPROC if nproc else 0}"
+    return [sys.executable, "-I", "-S", "-c", _WITH_LIMITS, limits, *argv]
 
 
 def _tail(path: str) -> str:
@@ -242,11 +250,12 @@ def _run(code: str, timeout_s: float, memory_mb: int, bwrap: Optional[str]) -> S
                 files.callback(os.close, info_r)
                 try:
                     proc = subprocess.Popen(
-                        bwrap_argv(bwrap, tmp, work, fm.fileno(), seccomp_fd, info_w), cwd="/",
+                        _with_limits(bwrap_argv(bwrap, tmp, work, fm.fileno(), seccomp_fd, info_w),
+                                     memory_mb, cpu_s, nproc=False), cwd="/",
                         env=minimal_env(work, "/tmp"),  # bwrap's own environment: nothing of the caller's
                         stdin=subprocess.DEVNULL, stdout=fo, stderr=fe, close_fds=True,
                         pass_fds=tuple(fd for fd in (fm.fileno(), seccomp_fd, info_w) if fd is not None),
-                        start_new_session=True, preexec_fn=_limits(memory_mb, cpu_s, nproc=False))
+                        start_new_session=True)
                 finally:
                     os.close(info_w)
                 pid1 = pid1_fd(info_r, proc)
@@ -254,9 +263,10 @@ def _run(code: str, timeout_s: float, memory_mb: int, bwrap: Optional[str]) -> S
                     files.callback(os.close, pid1)
             else:
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", "main.py"], cwd=tmp, env=minimal_env(tmp, tmp),
+                    _with_limits([sys.executable, "-I", "main.py"], memory_mb, cpu_s, nproc=True),
+                    cwd=tmp, env=minimal_env(tmp, tmp),
                     stdin=subprocess.DEVNULL, stdout=fo, stderr=fe, close_fds=True,
-                    start_new_session=True, preexec_fn=_limits(memory_mb, cpu_s, nproc=True))
+                    start_new_session=True)
         except OSError as e:
             return SandboxResult(False, None, False, "", f"sandbox could not start python: {e}", mode)
         timed_out = False

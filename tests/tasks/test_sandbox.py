@@ -284,6 +284,27 @@ def test_a_setsid_child_does_not_outlive_the_run(tmp_path):
 
 
 @needs_bwrap
+def test_sandboxes_started_from_many_threads_at_once_all_finish():
+    # Scoring runs a chain's programs from a thread pool. The limits are set by a program of their
+    # own, not a preexec_fn between fork and exec, where a lock held by another thread at the fork
+    # can deadlock the child (it did, with two threads).
+    start, results = threading.Barrier(6), []
+
+    def one(i):
+        start.wait(10)
+        for j in range(3):
+            results.append(run(f"print({i} * 10 + {j})", timeout_s=20.0))
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads), "a sandbox started from a thread never finished"
+    assert sorted(int(r.stdout_tail) for r in results if r.ok) == sorted(i * 10 + j for i in range(6) for j in range(3))
+
+
+@needs_bwrap
 def test_a_fork_bomb_is_limited_ends_with_its_timeout_and_leaves_a_concurrent_run_its_budget():
     base = host_processes()
     peak, stop = [base], threading.Event()
@@ -319,9 +340,9 @@ def test_a_fork_bomb_is_limited_ends_with_its_timeout_and_leaves_a_concurrent_ru
              "for kid in kids:\n"
              "    os.waitpid(kid, 0)\n"
              "print(len(kids))\n")
-    # The second run is another process's (two sandboxes started from threads of one process
-    # would fork through subprocess's preexec_fn at once, which Python does not make safe): it
-    # starts once the host's process count shows the bomb near its limit.
+    # The second run is another process's (another caller on the host; concurrent runs from threads
+    # of one process: the test below): it starts once the host's process count shows the bomb
+    # near its limit.
     beside_py = ("import json, os, sys, time\n"
                  "from admm_dist.tasks.sandbox import run_python\n"
                  "base, need, code = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]\n"
