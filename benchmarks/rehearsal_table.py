@@ -14,7 +14,7 @@ import argparse
 import json
 import time
 
-from admm_dist.cli.plan import HEADROOM, rehearse_job
+from admm_dist.training.memory_plan import HEADROOM, rehearse_job
 
 # (folder, layers): LoRA on every layer, as the seed's 36 of Qwen3-8B
 SHAPES = {"Qwen3-8B": ("assets/shapes/qwen3-8b", 36), "Qwen3-1.7B": ("assets/shapes/qwen3-1.7b", 28)}

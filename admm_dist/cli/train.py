@@ -112,6 +112,7 @@ def _run(argv: List[str], flag: PreemptionFlag, stop: StopSignals, where: _Where
     from admm_dist.engine.env import read_env
     from admm_dist.engine.preemption import Preempted, record_pid
     from admm_dist.training.config import TrainConfig
+    from admm_dist.training.memory_plan import check_before_loading
     from admm_dist.training.trainer import Trainer
 
     quiet_libraries()
@@ -126,8 +127,11 @@ def _run(argv: List[str], flag: PreemptionFlag, stop: StopSignals, where: _Where
     interrupted = None
     ctx = None
     try:
-        rank = where.rank = read_env().rank
+        env = read_env()
+        rank = where.rank = env.rank
         unrecord = record_pid(rank)
+        # before any weights are read or any GPU memory is taken: will this rank fit its device?
+        check_before_loading(cfg, argv, env, log=print)
         with distributed(cfg.device, timeout_s=cfg.timeout_s) as ctx:
             report = Trainer(cfg, ctx, preempt=flag).train()
             stop.hold()   # everything is written: a signal from now on does not make it "interrupted"

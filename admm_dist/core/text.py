@@ -1,5 +1,6 @@
 """Text conventions shared by every layer: the reasoning block, choice letters, integers, and
-docstrings turned into plain text for a command's ``--help`` (:func:`plain`).
+docstrings turned into plain text for a command's ``--help`` (:func:`plain`), and memory sizes
+such as ``80GiB`` (:func:`parse_size`).
 
 One definition each. The *visible* part of a message is the text after its last ``</think>``
 (the rule of Qwen3's chat template, which drops everything up to the last closing tag when a
@@ -13,6 +14,8 @@ from typing import Any
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 LETTERS = "ABCDEFGHIJ"      # the option letters of a multiple-choice item, in order
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(GiB|GB|G|MiB|MB|M)?\s*$", re.IGNORECASE)
+_UNITS = {"gib": 1 << 30, "g": 1 << 30, "gb": 10 ** 9, "mib": 1 << 20, "m": 1 << 20, "mb": 10 ** 6, "": 1}
 
 
 def visible(text: str) -> str:
@@ -36,3 +39,12 @@ def plain(doc: str) -> str:
         name = m.group(1).strip()
         return name.rsplit(".", 1)[-1] if m.group(0).split("`", 1)[1].startswith("~") else name
     return _LITERAL.sub(r"\1", _ROLE.sub(role, doc or ""))
+
+
+def parse_size(text: str) -> int:
+    """``80GiB``, ``24G`` (GiB), ``40GB``, ``512MiB`` or a number of bytes -> bytes; ValueError
+    (naming the forms) for anything else."""
+    m = _SIZE.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"{text!r}: give a size such as 80GiB, 40GB or 24G")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])

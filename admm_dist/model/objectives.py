@@ -56,6 +56,7 @@ from typing import Callable, ContextManager, Dict, Iterable, Optional, Sequence,
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from admm_dist.core import progress
 from admm_dist.core.config_file import key
@@ -65,6 +66,12 @@ from admm_dist.model.batches import batches as batch_iter
 
 FIT_MODES = ("dpo", "sft", "rsft")
 TARGET_SPANS = ("full", "visible")
+# Scored tokens whose logits (float32, [n, vocab]) are made at once: a batch with more goes through
+# the LM head in chunks of this many, so that its logits, their log-softmax and, under autograd,
+# their gradient are held a chunk at a time (at Qwen3's vocabulary of 151,936: 0.6 GB a chunk
+# instead of 2.4 GB per 1,024 tokens of the batch, times three). A batch of at most this many is
+# one chunk, as before.
+HEAD_CHUNK = 1024
 KL_REFS = ("frozen", "collect")   # kl_ref: the KL reference is the bare backbone or the warm start
 
 
@@ -147,10 +154,21 @@ def token_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     decoder, head = _decoder_and_head(model)
     hidden = decoder(input_ids=b.input_ids, attention_mask=b.attention_mask,
                      use_cache=False).last_hidden_state
-    logits = head(hidden[rows, pred]).float()
-    labels = b.target_ids[rows, cols]
-    lp = -F.cross_entropy(logits, labels, reduction="none")
+    scored, labels = hidden[rows, pred], b.target_ids[rows, cols]
+    if len(labels) <= HEAD_CHUNK:
+        lp = _head_logps(head, scored, labels)
+    else:   # a chunk's logits at a time; under autograd each chunk's are made again for its backward
+        keep = torch.is_grad_enabled() and scored.requires_grad
+        lp = torch.cat([checkpoint(_head_logps, head, scored[i:i + HEAD_CHUNK], labels[i:i + HEAD_CHUNK],
+                                   use_reentrant=False) if keep else
+                        _head_logps(head, scored[i:i + HEAD_CHUNK], labels[i:i + HEAD_CHUNK])
+                        for i in range(0, len(labels), HEAD_CHUNK)])
     return out.index_put((rows, cols), lp)
+
+
+def _head_logps(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The log-probs of ``labels`` from the LM head on ``hidden`` [n, d], in float32."""
+    return -F.cross_entropy(head(hidden).float(), labels, reduction="none")
 
 
 def precompute_reference(model: torch.nn.Module, encoded: Sequence[Encoded], *,

@@ -35,7 +35,7 @@ from admm_dist.core.constants import (DEFAULT_TIMEOUT_S, MAX_BATCH_SIZE, MAX_GOS
                                       MAX_LOCAL_STEPS, MAX_NODES, MAX_OPS, MAX_QUERIES, MAX_ROUNDS,
                                       MAX_SAMPLES, MAX_TIMEOUT_S, MAX_TOKENS)
 from admm_dist.core.errors import UserError
-from admm_dist.core.text import is_int
+from admm_dist.core.text import is_int, parse_size
 from admm_dist.data.derive import FIT_FILTERS
 from admm_dist.data.fitset import PARTITION_MODES
 from admm_dist.engine.admm import ADMMConfig
@@ -85,6 +85,13 @@ class TrainConfig:
                        group=SYSTEM, fingerprint="ignored")
     timeout_s: float = key(DEFAULT_TIMEOUT_S, "bound in seconds on every collective and wait", group=SYSTEM,
                            at_most=MAX_TIMEOUT_S, fingerprint="ignored")
+    plan_memory: bool = key(True, "before any weights are read, rehearse this rank's memory (as python -m "
+                            "admm_dist.plan does) and refuse a job that will not fit its device, naming a "
+                            "change that fits: GPU jobs, and CPU jobs given device_memory", group=SYSTEM,
+                            fingerprint="ignored")
+    device_memory: Optional[str] = key(None, "the memory of one device that plan_memory checks against, e.g. "
+                                       "80GiB (unset: the GPU's own; a CPU job is not checked)",
+                                       metavar="SIZE", group=SYSTEM, fingerprint="ignored")
 
     task_path: Optional[str] = key(None, "a local JSON/JSONL/CSV file of the task's rows instead of the hub",
                                    metavar="PATH", group=DATA)
@@ -304,6 +311,11 @@ class TrainConfig:
         if self.micro_batches > self.batch_size:
             raise UserError(f"micro_batches={self.micro_batches} > batch_size={self.batch_size}: a part "
                             "needs at least one example; lower micro_batches or raise batch_size")
+        if self.device_memory is not None:
+            try:
+                parse_size(self.device_memory)
+            except ValueError as e:
+                raise UserError(f"device_memory={e}") from None
         self._check_paths()
         self._check_out()
         if self.overwrite and self.resume == "auto":

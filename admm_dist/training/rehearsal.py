@@ -28,6 +28,7 @@ figure from the shapes (HF generation) or the engine's setting (vLLM). See docs/
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -152,7 +153,39 @@ def round_memory(cfg: TrainConfig, run, model, comm, seat, target: torch.device
                  ) -> Tuple[Dict[str, int], int, Dict[str, int]]:
     """Steps 3-6 of the module docstring on ``model`` (the backbone, built), counted by ``run`` (a
     :class:`FakeRun`, or :class:`~admm_dist.model.fake_run.Counting` to measure a real run the
-    same way): (bytes by category, peak, bytes sent a round)."""
+    same way): (bytes by category, peak, bytes sent a round). Python's cyclic collector is held
+    for the count and run at each phase's start, so cyclic garbage is freed where a phase starts,
+    never at a point of the count that a collection's timing picks."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _round_memory(cfg, _Phases(run), model, comm, seat, target)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+class _Phases:
+    """A count whose :meth:`mark` first frees the cyclic garbage."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+    @property
+    def now(self) -> int:
+        return self.run.now
+
+    @property
+    def peak(self) -> int:
+        return self.run.peak
+
+    def mark(self) -> int:
+        gc.collect()
+        return self.run.mark()
+
+
+def _round_memory(cfg: TrainConfig, run, model, comm, seat, target: torch.device
+                  ) -> Tuple[Dict[str, int], int, Dict[str, int]]:
     shapes, sharded = model.config, hasattr(model.get_decoder().layers[0], "unshard")
     model.config.use_cache = False
     model.eval()
@@ -188,11 +221,13 @@ def round_memory(cfg: TrainConfig, run, model, comm, seat, target: torch.device
         return value
 
     engine.step(xstep, telemetry=False)   # the fake group's gathers hold no values to check
+    round_peak = run.peak
+    run.mark()   # frees the round's cyclic garbage: what consensus keeps is what is held after it
     adam = sum(t.nbytes for st in states.values() for s in st.optimizer.state.values()
                for t in s.values() if isinstance(t, torch.Tensor))
     transient["x-step"] = phase["x"] - adam // len(nodes)   # Adam's state is made in the first step
     kept = run.now - phase["after"]
-    transient["consensus"] = run.peak - phase["after"] - kept
+    transient["consensus"] = round_peak - phase["after"] - kept
     lora = held_bytes(adapter.model)[1]
     memory = {"backbone": backbone, "lora": lora, "gradients": adapter.flat_grad.nbytes, "adam": adam,
               "reference": reference, "admm_vectors": admm, "consensus": kept,

@@ -111,9 +111,9 @@ def test_each_key_says_once_what_it_is_to_the_fingerprint():
     assert train_config.RESUMABLE == ("eta", "grad_clip")
     assert keys_by_fingerprint(TrainConfig, "content") == ("fitset_cache", "init_state")
     assert set(keys_by_fingerprint(TrainConfig, "ignored")) == {
-        "backend", "checkpoint_every", "dev_every", "device", "dry_run", "export_peft", "gen_batch_size", "k_outer",
-        "keep_checkpoints", "max_delta_w_rel", "out", "overwrite", "quiet", "report_dir", "report_to", "resume",
-        "shard_backbone",
+        "backend", "checkpoint_every", "dev_every", "device", "device_memory", "dry_run", "export_peft",
+        "gen_batch_size", "k_outer", "keep_checkpoints", "max_delta_w_rel", "out", "overwrite", "plan_memory", "quiet",
+        "report_dir", "report_to", "resume", "shard_backbone",
         "timeout_s", "tracking_dir", "vllm_gpu_memory_utilization", "vllm_kv_cache_gib", "vllm_max_model_len",
         "wandb_mode", "wandb_project"}
     base = TrainConfig().fingerprint()

@@ -218,6 +218,32 @@ def test_token_logps_matches_naive_per_sequence(tok):
         assert (got[unscored] == 0).all()
 
 
+def test_the_lm_head_in_chunks_gives_the_same_log_probs_and_gradient(tok, monkeypatch):
+    """A batch of more scored tokens than HEAD_CHUNK goes through the LM head a chunk at a time
+    (each chunk's logits made again for its backward): the same values and the same gradient."""
+    model = make_model(tok, random_b=True)
+    exs = [Example(seat=0, role="P", anchor=str(i), prompt=chat(tok, "q" * (1 + 4 * i)),
+                   target="ans" * (2 + i), rejected="r" * (2 + 3 * i), rejected_prompt=chat(tok, "z" * (7 - 2 * i)))
+           for i in range(3)]
+    batch = B.collate(B.encode(tok, exs, O.ObjectiveConfig(fit_mode="dpo")), tok.pad_token_id)
+    b = lora_b(model)
+
+    def logps_and_grad():
+        for p in b:
+            p.grad = None
+        lp = O.token_logps(model, batch)
+        lp.sum().backward()
+        return lp.detach(), [p.grad.clone() for p in b]
+
+    whole, whole_grad = logps_and_grad()
+    scored = int((batch.target_mask > 0).sum())
+    monkeypatch.setattr(O, "HEAD_CHUNK", 5)
+    assert scored > 3 * O.HEAD_CHUNK
+    chunked, chunked_grad = logps_and_grad()
+    assert torch.allclose(chunked, whole, atol=1e-6, rtol=0)
+    assert all(torch.allclose(c, w, atol=1e-6, rtol=1e-5) for c, w in zip(chunked_grad, whole_grad))
+
+
 def test_chosen_and_rejected_in_one_forward(tok):
     model = make_model(tok)
     counter = ForwardCounter(model)
