@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (docs/archive/benchmarks-notebook.md, "GPU check"), within 8 minutes on one GPU:
+#   0. the x-step's job rehearsed first (python -m admm_dist.plan, no GPU memory): its predicted
+#      peak beside the x-step's measured one,
 #   1. the x-step benchmark on a random Qwen3-8B-shaped model (bf16, gradient checkpointing,
 #      512-token prompts, 256-token targets) against TRL's DPOTrainer, with peak GPU memory per row,
 #   2. a random Qwen3-0.6B-shaped backbone, then `python -m admm_dist.train backend=local`

@@ -7,6 +7,11 @@ Run (``launch/gpu_check.sh OUT_DIR`` wraps it and refuses to start without a GPU
 Steps, each a child process with its own time limit, run one after another from the
 repository root; a step that fails or runs out of time is recorded and the next one runs:
 
+0. ``plan``: the x-step's job rehearsed first (``python -m admm_dist.plan``: fake tensors, no
+   GPU memory), in the x-step benchmark's shapes (configs/admm_ring.yaml's DPO, LoRA and KL
+   settings at one seat, batch 4 pairs of 512 + 256 tokens, Qwen3-8B's ``config.json`` from
+   assets/shapes/) against the GPU's memory (``nvidia-smi``): its predicted peak goes beside the
+   x-step's measured one (``ours_peak_gib``) in the report.
 1. ``xstep``: ``python -m admm_dist.bench.xstep`` on a random Qwen3-8B-shaped model built on the
    GPU (bf16, gradient checkpointing, batch 4 pairs of 512 + 256 + 256 tokens) against TRL's
    DPOTrainer on the same batches, steps in rotation; seconds per step, the paired ratios
@@ -69,6 +74,7 @@ class Plan:
 
     mode: str                  # gpu | cpu-smoke
     device: str
+    plan_args: Sequence[str]   # the rehearsal of the x-step's job: its backbone and overrides
     xstep_args: Sequence[str]
     shape: str                 # the backbone of the run and of collection
     train_args: Sequence[str]
@@ -76,18 +82,39 @@ class Plan:
     limits: Dict[str, float]
 
 
-GPU = Plan("gpu", "cuda", ("--shape", "qwen3-8b", "--no-overhead"), "qwen3-0.6b",
+# the x-step benchmark's job (admm_dist/bench/xstep.py: one seat, DPO beta 0.1 with the KL term,
+# rank-16 LoRA on every projection of every layer, batch 4 pairs of 512 + 256 tokens)
+XSTEP_JOB = ("--config", "configs/admm_ring.yaml", "n_agents=1", "batch_size=4", "max_prompt_tokens=512",
+             "max_target_tokens=256")
+GPU = Plan("gpu", "cuda", (*XSTEP_JOB, "model_name=assets/shapes/qwen3-8b", "lora_layers_last=36"),
+           ("--shape", "qwen3-8b", "--no-overhead"), "qwen3-0.6b",
            ("anchors=8", "group=2", "max_new_tokens=32", "k_outer=2", "local_steps=2", "batch_size=4",
             "lora_rank=8", "lora_alpha=16", "lora_layers_last=8", "vllm_gpu_memory_utilization=0.3"),
            ("--queries", "8", "--samples", "2", "--repeats", "1", "--max-new-tokens", "32"),
-           {"xstep": 200, "backbone": 45, "train_hf": 75, "train_vllm": 120, "collect": 120})
-SMOKE = Plan("cpu-smoke", "cpu", ("--quick", "--no-overhead"), "micro",
+           {"plan": 60, "xstep": 200, "backbone": 45, "train_hf": 75, "train_vllm": 120, "collect": 120})
+SMOKE = Plan("cpu-smoke", "cpu", (*XSTEP_JOB, "model_name=assets/tiny/backbone", "lora_layers_last=2",
+                                  "max_prompt_tokens=32", "max_target_tokens=16"),
+             ("--quick", "--no-overhead"), "micro",
              ("anchors=2", "group=2", "max_new_tokens=6", "k_outer=1", "local_steps=1", "batch_size=2",
               "lora_rank=4", "lora_alpha=8", "lora_layers_last=2", "gen_chunk=2",
               "no_grad_checkpointing=true"),
              ("--queries", "2", "--samples", "2", "--repeats", "1", "--max-new-tokens", "6",
               "--threads", "1"),
-             {"xstep": 120, "backbone": 60, "train_hf": 120, "train_vllm": 180, "collect": 120})
+             {"plan": 60, "xstep": 120, "backbone": 60, "train_hf": 120, "train_vllm": 180, "collect": 120})
+
+
+def device_memory(plan: Plan) -> str:
+    """The first GPU's memory as ``nvidia-smi`` says it (read without CUDA in this process, which
+    would hold a context on the GPU for the whole check); 80GiB where it cannot be read; 1GiB for
+    the CPU smoke run."""
+    if plan.device != "cuda":
+        return "1GiB"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return f"{int(out[0])}MiB"
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return "80GiB"
 
 
 def vllm_version() -> Optional[str]:
@@ -119,7 +146,8 @@ class Runner:
         self.log(f"# {name}: skipped ({why})")
         return rec
 
-    def run(self, name: str, argv: Sequence[str], limit_s: float) -> Dict[str, Any]:
+    def run(self, name: str, argv: Sequence[str], limit_s: float, ok_codes: Sequence[int] = (0,)
+            ) -> Dict[str, Any]:
         left = self.deadline - time.monotonic() - 2.0
         if left < 10.0:
             return self.skip(name, "out of the time budget")
@@ -134,7 +162,7 @@ class Runner:
                                           stdin=subprocess.DEVNULL, env=child_env(), start_new_session=True)
             try:
                 rc = self.child.wait(timeout=limit)
-                rec["status"] = "ok" if rc == 0 else "failed"
+                rec["status"] = "ok" if rc in ok_codes else "failed"
                 rec["exit_code"] = rc
             except subprocess.TimeoutExpired:
                 self.stop_child()
@@ -211,6 +239,9 @@ def check(out: str, plan: Plan, budget_s: float, log=print) -> Dict[str, Any]:
     work = tempfile.mkdtemp(prefix="admm-gpu-check-")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
+        runner.run("plan", [py, "-m", "admm_dist.plan", "--nproc_per_node", "1", "--device_memory",
+                            device_memory(plan), "--no_fix", "--json", os.path.join(out, "plan.json"),
+                            *plan.plan_args], plan.limits["plan"], ok_codes=(0, 3))   # 3: does not fit
         runner.run("xstep", [py, "-m", "admm_dist.bench.xstep", "--device", plan.device, *plan.xstep_args,
                              "--json", os.path.join(out, "xstep.json")], plan.limits["xstep"])
         backbone = os.path.join(work, f"backbone-{plan.shape}")

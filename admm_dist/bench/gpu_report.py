@@ -45,6 +45,13 @@ def xstep_figures(r: Dict[str, Any]) -> Dict[str, Any]:
             "trl_skipped": r.get("trl_skipped")}
 
 
+def plan_figures(r: Dict[str, Any]) -> Dict[str, Any]:
+    """The rehearsal's verdict and its rank's predicted peak and memory by category (bytes)."""
+    rank = r["plans"][0]
+    return {"fits": r["fits"], "peak_bytes": rank["peak"], "peak_gib": round(rank["peak"] / (1 << 30), 3),
+            "memory_bytes": rank["memory"], "seconds": rank["seconds"]}
+
+
 def train_figures(r: Dict[str, Any]) -> Dict[str, Any]:
     cfg = r.get("config", {})
     coll = (r.get("collections") or [{}])[0]
@@ -66,6 +73,8 @@ def figures(out: str, steps: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """Each finished step's figures (a step whose output cannot be read gets none)."""
     status = {s["name"]: s["status"] for s in steps}
     got: Dict[str, Any] = {}
+    if status.get("plan") == "ok" and (r := _read(os.path.join(out, "plan.json"))):
+        got["plan"] = plan_figures(r)
     if status.get("xstep") == "ok" and (r := _read(os.path.join(out, "xstep.json"))):
         got["xstep"] = xstep_figures(r)
     for backend in ("hf", "vllm"):
@@ -85,6 +94,9 @@ def _summary(name: str, f: Optional[Dict[str, Any]]) -> str:
         return "; ".join(f"{x['row'].split(' (')[0]} {x['s_per_step']:.4f} s/step"
                          + ("" if x["over_ours_paired"] == 1.0 else f" ({x['over_ours_paired']:.2f}x paired)")
                          for x in f["rows"])
+    if name == "plan":
+        return (f"predicted peak {f['peak_bytes'] / (1 << 20):.1f} MiB "
+                f"({'fits' if f['fits'] else 'does not fit'})")
     if name.startswith("train_"):
         return (f"{f['examples']} examples, {f['nodes']} nodes x {f['rounds']} rounds, "
                 f"delta_w_rel {f['delta_w_rel']}")
@@ -114,6 +126,10 @@ def format_report(rep: Dict[str, Any]) -> str:
             peak = "" if x["peak_gib"] is None else f"{x['peak_gib']:.2f}"
             lines.append(f"| {x['row']} | {x['s_per_step']:.4f} | {x['over_ours']:.2f} | "
                          f"{x['over_ours_paired']:.2f} | {peak} |")
+        pl, ours = fig.get("plan"), xs["rows"][0]["peak_gib"] if xs["rows"] else None
+        if pl and ours is not None:
+            lines += ["", f"memory: rehearsed {pl['peak_gib']:.2f} GiB before the run, measured {ours:.2f} GiB "
+                          f"(ours): {pl['peak_gib'] / ours:.2f}x"]
     runs = [(b, fig[f"train_{b}"]) for b in ("hf", "vllm") if f"train_{b}" in fig]
     if runs:
         lines += ["", "single-process run (backend local, 4 seats, one device):", "",

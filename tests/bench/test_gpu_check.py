@@ -15,7 +15,7 @@ from admm_dist.bench.xstep_measure import trl_version
 from conftest import REPO
 
 SCRIPT = str(REPO / "launch" / "gpu_check.sh")
-STEPS = ["xstep", "backbone", "train_hf", "train_vllm", "collect"]
+STEPS = ["plan", "xstep", "backbone", "train_hf", "train_vllm", "collect"]
 
 
 def _env(**kw):
@@ -43,6 +43,8 @@ def test_cpu_smoke_runs_every_step_and_reports_figures(tmp_path):
         if s["status"] == "ok":
             assert 0 < s["seconds"] <= s["limit_s"] and (out / s["log"]).is_file()
     fig = rep["figures"]
+    plan = fig["plan"]      # rehearsed first: the x-step's job on the tiny backbone's shapes
+    assert plan["fits"] and 0 < plan["memory_bytes"]["backbone"] < plan["peak_bytes"] < 1 << 30
     xs = fig["xstep"]
     assert xs["shape"] == "micro" and xs["device"] == "cpu"
     rows = {x["row"]: x for x in xs["rows"]}
@@ -58,9 +60,10 @@ def test_cpu_smoke_runs_every_step_and_reports_figures(tmp_path):
     assert ("vllm" in coll) == bool(vllm)
     table = (out / "gpu_check.md").read_text()
     assert table.strip() == rep["table"].strip() and rep["table"] in p.stdout
+    assert "| plan | ok |" in table and "predicted peak" in table
     assert "| xstep | ok |" in table and "| train_hf | ok |" in table and "tok/s" in table
     assert "| ours (Trainer.xstep) |" in table
-    save = rep["steps"][1]["command"]
+    save = next(s["command"] for s in rep["steps"] if s["name"] == "backbone")
     assert not os.path.exists(save[save.index("--save") + 1])          # the work folder is gone
     print(f"cpu smoke wall {wall:.1f} s (report {rep['wall_s']} s)")
 
