@@ -70,7 +70,9 @@ TARGET_SPANS = ("full", "visible")
 # the LM head in chunks of this many, so that its logits, their log-softmax and, under autograd,
 # their gradient are held a chunk at a time (at Qwen3's vocabulary of 151,936: 0.6 GB a chunk
 # instead of 2.4 GB per 1,024 tokens of the batch, times three). A batch of at most this many is
-# one chunk, as before.
+# one chunk, as before. A head that FSDP2 shards (shard_backbone) is called once: each call would
+# gather it again, and a chunk made again in the backward gathers it beside the backward's own
+# gather (the rehearsal of 8 micro-batches over 8 ranks: 3.4 GiB more a rank, not less).
 HEAD_CHUNK = 1024
 KL_REFS = ("frozen", "collect")   # kl_ref: the KL reference is the bare backbone or the warm start
 
@@ -155,7 +157,7 @@ def token_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     hidden = decoder(input_ids=b.input_ids, attention_mask=b.attention_mask,
                      use_cache=False).last_hidden_state
     scored, labels = hidden[rows, pred], b.target_ids[rows, cols]
-    if len(labels) <= HEAD_CHUNK:
+    if len(labels) <= HEAD_CHUNK or hasattr(head, "unshard"):   # an FSDP2-sharded head: once (below)
         lp = _head_logps(head, scored, labels)
     else:   # a chunk's logits at a time; under autograd each chunk's are made again for its backward
         keep = torch.is_grad_enabled() and scored.requires_grad
