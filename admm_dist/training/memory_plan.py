@@ -165,13 +165,28 @@ def check_before_loading(cfg: TrainConfig, argv: List[str], env: DistEnv, log: L
     device, budget = planned_device(cfg, env.local_rank)
     if budget is None:
         return
+    from transformers import AutoConfig
+
     from admm_dist.training.rehearsal import rehearse
 
+    try:
+        AutoConfig.from_pretrained(cfg.model_name)
+    except Exception:   # no backbone there to plan for: the loader says so, in its own words
+        return
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or env.world_size)
     if env.world_size % per_node:
         per_node = env.world_size
-    plan = rehearse(cfg, env.world_size, env.rank, per_node=per_node, device=device,
-                    device_memory=budget).to_dict()
+    try:
+        plan = rehearse(cfg, env.world_size, env.rank, per_node=per_node, device=device,
+                        device_memory=budget).to_dict()
+    except UserError:
+        raise                     # what the trainer itself would refuse
+    except Exception as e:        # a backbone or op fake tensors cannot run: the check is advice only
+        if env.rank == 0:
+            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+            log(f"memory plan: could not rehearse this job ({why}); going on without it "
+                "(plan_memory=false skips the attempt)")
+        return
     # the same words on every rank of a kind, so that the job says it once
     where = f"its {plan['kind']} ranks need {gib(plan['peak'])} of {gib(budget)} x {HEADROOM:.0%}"
     if fits([plan], budget):

@@ -56,3 +56,17 @@ def test_a_bad_device_memory_is_one_line(capsys, tmp_path):
     code, err = _train(capsys, tmp_path, "device_memory=-3G")
     assert code == 2 and err.strip() == ("admm_dist.train: error: device_memory='-3G': give a size such as 80GiB, "
                                          "40GB or 24G"), err
+
+
+def test_a_backbone_the_rehearsal_cannot_build_is_said_in_one_line_and_the_job_goes_on(capsys, tmp_path):
+    """The check is advice: a backbone it cannot rehearse (here a T5, which is no causal LM) is
+    one line on rank 0, and the run goes on to its own checks (the loader refuses this one)."""
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "t5"}')
+    code = train.main([*TINY, f"model_name={folder}", "device_memory=9MiB", f"out={tmp_path / 'run'}",
+                       f"report_dir={tmp_path}"])
+    out, err = capsys.readouterr()
+    assert "memory plan: could not rehearse this job (ValueError: " in out, out
+    assert "going on without it (plan_memory=false skips the attempt)" in out
+    assert code == 2 and err.startswith("admm_dist.train: error on rank 0: ") and "will not fit" not in err, err
