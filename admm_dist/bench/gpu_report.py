@@ -128,8 +128,8 @@ def format_report(rep: Dict[str, Any]) -> str:
                          f"{x['over_ours_paired']:.2f} | {peak} |")
         pl, ours = fig.get("plan"), xs["rows"][0]["peak_gib"] if xs["rows"] else None
         if pl and ours is not None:
-            lines += ["", f"memory: rehearsed {pl['peak_gib']:.2f} GiB before the run, measured {ours:.2f} GiB "
-                          f"(ours): {pl['peak_gib'] / ours:.2f}x"]
+            lines += ["", f"memory: rehearsed {pl['peak_gib']:.2f} GiB before the run, measured "
+                          f"{ours:.2f} GiB (ours): {pl['peak_gib'] / ours:.2f}x"]
     runs = [(b, fig[f"train_{b}"]) for b in ("hf", "vllm") if f"train_{b}" in fig]
     if runs:
         lines += ["", "single-process run (backend local, 4 seats, one device):", "",
