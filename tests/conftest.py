@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 # hands out the files with the most tests first), so a long file left to the end keeps one
 # worker busy while the other has nothing left to do. Every other file keeps its place after them.
 LONGEST_FIRST = (
-    "launch/test_elastic.py", "model/test_smollm2.py", "launch/test_multinode.py", "launch/test_slurm.py",
+    "launch/test_elastic.py", "model/test_smollm2.py", "launch/test_multinode.py", "benchmarks/test_calibration.py",
+    "launch/test_slurm.py",
     "engine/test_preemption.py", "training/test_trainer_placement.py", "training/test_trainer_onpolicy.py",
     "training/test_trainer.py", "engine/test_compressed_mp.py", "training/test_outputs.py",
     "engine/test_comm_mp.py", "training/test_trainer_seat_groups.py", "benchmarks/test_kill_resume.py",
