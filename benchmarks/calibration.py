@@ -47,8 +47,10 @@ FLOOR = 64 * 1024            # bytes: categories smaller than this are compared 
 # blocks of a step, and the stand-in's peak resident set is 1.4x its tensors' (benchmarks.md)
 MMAP_THRESHOLD = 65536
 # what a sharded stand-in rank holds beyond its plan (10-21 MiB at k = 2 and 4, from run to run:
-# anonymous memory that no tensor accounts for, 25 MiB of it still held after the round; not found
-# yet); SmolLM2's sharded rows hold 30-55 MiB more, within PEAK_BOUND
+# anonymous memory that no tensor accounts for: it grows by 13-26 MiB with each x-step of a sharded
+# rank while the count stays at 3 MiB, none with a whole backbone, and all of it is freed with the
+# model: FSDP2's, outside the storages the count sees; not found yet); SmolLM2's sharded rows hold
+# 30-55 MiB more, within PEAK_BOUND
 SHARDED_EXCESS = 24 << 20
 MODELS = {"standin": "assets/standin", "smollm2": "assets/smollm2"}
 # the CPU ADMM config (DPO pairs from a fit set: a sharded seat group trains from one, never on
