@@ -156,26 +156,13 @@ class FakeRun:
         self.count = Counting()
         self._modes = [self.mode, _Values(), _Reads(), self.count]
 
-    def __enter__(self) -> "FakeRun":
+    def __enter__(self) -> Counting:
+        """The count of what the run holds (its ``now``, ``peak`` and ``mark``)."""
         for m in self._modes:
             m.__enter__()
-        return self
+        return self.count
 
     def __exit__(self, *exc: Any) -> Optional[bool]:
         for m in reversed(self._modes):
             m.__exit__(*exc)
         return None
-
-    @property
-    def now(self) -> int:
-        """Bytes held now."""
-        return self.count.now
-
-    @property
-    def peak(self) -> int:
-        """The most bytes held at once since the last :meth:`mark`."""
-        return self.count.peak
-
-    def mark(self) -> int:
-        """Start a phase: the peak from here on starts at what is held now (returned)."""
-        return self.count.mark()

@@ -159,31 +159,18 @@ def round_memory(cfg: TrainConfig, run, model, comm, seat, target: torch.device
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _round_memory(cfg, _Phases(run), model, comm, seat, target)
+        return _round_memory(cfg, run, model, comm, seat, target)
     finally:
         if collecting:
             gc.enable()
 
 
-class _Phases:
-    """A count whose :meth:`mark` first frees the cyclic garbage made since the last mark: the
-    young generations only (cheap beside a full collection in a process holding many objects);
-    with the collector held, nothing made in the count ages past them between marks."""
-
-    def __init__(self, run) -> None:
-        self.run = run
-
-    @property
-    def now(self) -> int:
-        return self.run.now
-
-    @property
-    def peak(self) -> int:
-        return self.run.peak
-
-    def mark(self) -> int:
-        gc.collect(1)
-        return self.run.mark()
+def _mark(run) -> int:
+    """``run.mark()`` once the cyclic garbage made since the last mark is freed: the young
+    generations only (cheap beside a full collection in a process holding many objects); with
+    the collector held, nothing made in the count ages past them between marks."""
+    gc.collect(1)
+    return run.mark()
 
 
 def _round_memory(cfg: TrainConfig, run, model, comm, seat, target: torch.device
@@ -192,7 +179,7 @@ def _round_memory(cfg: TrainConfig, run, model, comm, seat, target: torch.device
     model.config.use_cache = False
     model.eval()
     backbone = held_bytes(model)[0]
-    run.mark()
+    _mark(run)
     adapter = BOnlyLoRA(model, cfg.adapter_config())   # its reads of the frozen weights included
     transient = {"build": run.peak - run.now}
     checkpoint_activations(adapter.model, cfg, target.type)
@@ -204,27 +191,27 @@ def _round_memory(cfg: TrainConfig, run, model, comm, seat, target: torch.device
     for node in nodes:
         encoded = _examples(cfg, cfg.batch_size)
         if cfg.objective_config().needs_reference:
-            before = run.mark()
+            before = _mark(run)
             reference_logps(cfg, adapter, seat, encoded, None, pad)
             transient["reference"] = run.peak - before
             reference += run.now - before
         opt = torch.optim.Adam([adapter.param], lr=cfg.eta, foreach=False)
         states[node] = NodeState(node, encoded, _Whole(len(encoded)), opt)
-    held = run.mark()
+    held = _mark(run)
     engine = ADMMEngine(comm, cfg.admm_config(), [torch.zeros_like(adapter.flat) for _ in nodes], seat=seat)
     admm = run.now - held
     phase = {"x": 0}
 
     def xstep(node: int, x: torch.Tensor, centre: Optional[torch.Tensor], rho: float) -> float:
-        before = run.mark()
+        before = _mark(run)
         value = steps.run(states[node], x, centre, rho)
         phase["x"] = max(phase["x"], run.peak - before)
-        phase["after"] = run.mark()
+        phase["after"] = _mark(run)
         return value
 
     engine.step(xstep, telemetry=False)   # the fake group's gathers hold no values to check
     round_peak = run.peak
-    run.mark()   # frees the round's cyclic garbage: what consensus keeps is what is held after it
+    _mark(run)   # frees the round's cyclic garbage: what consensus keeps is what is held after it
     adam = sum(t.nbytes for st in states.values() for s in st.optimizer.state.values()
                for t in s.values() if isinstance(t, torch.Tensor))
     transient["x-step"] = phase["x"] - adam // len(nodes)   # Adam's state is made in the first step
