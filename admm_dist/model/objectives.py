@@ -36,6 +36,10 @@ Objectives (:func:`loss`), with per-sequence sums l = sum of masked token log-pr
       all scored target tokens of the batch (chosen and rejected rows for dpo).
     The returned loss is the node objective value ``f_i`` reported to ADMM (the proximal
     term is added by the caller).
+    * :func:`clipped_surrogate`: GRPO's per-token objective (the clipped importance ratio
+      against the policy that sampled the messages, times each row's advantage, plus the k3
+      KL weighted by that ratio), equal to TRL's ``GRPOTrainer`` loss with ``loss_type="dapo"``
+      in value and gradient (tests/model/test_grpo_trl.py).
 
 Reference (:func:`precompute_reference`)
     The reference log-probs never change during training (docs/design.md section 3), so they are
@@ -251,6 +255,38 @@ def _share_reference(batches: Sequence[Sequence[Encoded]], j: int, k: int,
 def _k3(lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, tokens: Optional[float]) -> torch.Tensor:
     d = ref - lp
     return ((torch.exp(d) - 1.0 - d) * mask).sum() / (mask.sum().clamp_min(1.0) if tokens is None else tokens)
+
+
+def clipped_surrogate(lp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      *, clip_low: float, clip_high: float, ref: Optional[torch.Tensor] = None,
+                      kl_beta: float = 0.0, tokens: Optional[float] = None
+                      ) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """GRPO's per-token objective (PPO's clipped ratio against the sampling policy) on [rows, T]
+    log-probs: per scored token ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` with
+    ``r = exp(lp - old)`` (``old``: the sampling policy's log-probs, recorded when the messages
+    were sampled) and ``A`` the row's advantage [rows], plus ``kl_beta`` times the k3 KL to
+    ``ref`` weighted by ``r`` (the tokens were drawn from the sampling policy: TRL's
+    ``use_bias_correction_kl``, its default), summed over the scored tokens and divided by
+    their number, or by ``tokens`` (the whole minibatch's, for a micro-batch). This is TRL's
+    ``GRPOTrainer`` with ``loss_type="dapo"`` (its default: one token-mean over the generation
+    batch), ``epsilon=clip_low``, ``epsilon_high=clip_high``, ``beta=kl_beta`` and token-level
+    importance sampling. Metrics: ``clip_frac`` (the share of scored tokens whose ratio is
+    clipped where the clip binds) and ``kl``."""
+    ratio = torch.exp(lp - old)
+    adv = advantages.to(lp.dtype).unsqueeze(-1)
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    denom = mask.sum().clamp_min(1.0) if tokens is None else tokens
+    metrics = {}
+    if ref is not None and kl_beta > 0:
+        d = ref - lp
+        # k3 at the current policy, on tokens the sampling policy drew
+        kl = ratio * (torch.exp(d) - 1.0 - d)
+        per_token = per_token + kl_beta * kl
+        metrics["kl"] = float((kl.detach() * mask).sum() / denom)
+    binds = ((ratio < 1.0 - clip_low) & (adv < 0)) | ((ratio > 1.0 + clip_high) & (adv > 0))
+    metrics["clip_frac"] = float((binds.float() * mask).sum() / mask.sum().clamp_min(1.0))
+    return (per_token * mask).sum() / denom, metrics
 
 
 def normalizers(parts: Sequence[Batch]) -> Tuple[float, float]:
