@@ -49,7 +49,9 @@ def test_the_stand_ins_plan_holds_against_its_real_ranks_at_every_k(tmp_path):
         (2, True, "follower"), (4, False, "leader"), (4, False, "follower"), (4, True, "leader"),
         (4, True, "follower")]
     for x in rows:
-        assert x["category_err"] <= cal.CATEGORY_BOUND, x
+        for c, (plan, got) in x["categories"].items():
+            slack = cal.IN_FLIGHT if c == "consensus" else 0      # a piece a gloo thread still holds
+            assert abs(plan - got) <= cal.CATEGORY_BOUND * max(got, cal.FLOOR) + slack, (c, x)
         if not x["sharded"]:
             assert abs(x["peak_err"]) <= cal.PEAK_BOUND, x
         else:   # not yet: a sharded stand-in rank holds 10-21 MiB that no tensor accounts for
