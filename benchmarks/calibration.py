@@ -39,6 +39,8 @@ import os
 import sys
 from typing import Any, Dict, List, Sequence
 
+from benchmarks.placement_memory import vm_rss
+
 CATEGORY_BOUND = 0.10
 PEAK_BOUND = 0.20
 FLOOR = 64 * 1024            # bytes: categories smaller than this are compared in absolute terms
@@ -60,15 +62,6 @@ MODELS = {"standin": "assets/standin", "smollm2": "assets/smollm2"}
 # the CPU ADMM config (DPO pairs from a fit set: a sharded seat group trains from one, never on
 # its own rollouts), its backbone replaced
 CONFIG = "configs/cpu/admm_ring.yaml"
-
-
-def vm(field: str) -> int:
-    """``VmRSS`` or ``VmHWM`` of this process, in bytes."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _settle() -> None:
@@ -110,13 +103,13 @@ def measure_rank(ctx, argv: Sequence[str]) -> Dict[str, Any]:
     with Counting() as run:
         round_memory(warm, run, load(), comm, mesh.seat, torch.device("cpu"))
     _settle()
-    base = vm("VmRSS")
+    base = vm_rss("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:     # the peak resident set starts again from here
         fh.write("5")
     model = load()
     with Counting() as run:
         memory, peak, _ = round_memory(cfg, run, model, comm, mesh.seat, torch.device("cpu"))
-    return {"memory": memory, "peak": peak, "rss_base": base, "rss_peak": vm("VmHWM")}
+    return {"memory": memory, "peak": peak, "rss_base": base, "rss_peak": vm_rss("VmHWM")}
 
 
 def job_argv(name: str, k: int, shard: bool, prompt: int, target: int, batch: int) -> List[str]:
