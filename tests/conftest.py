@@ -33,7 +33,7 @@ LONGEST_FIRST = (
     "launch/test_elastic.py", "model/test_smollm2.py", "launch/test_multinode.py", "benchmarks/test_calibration.py",
     "launch/test_slurm.py",
     "engine/test_preemption.py", "training/test_trainer_placement.py", "training/test_trainer_onpolicy.py",
-    "training/test_trainer.py", "engine/test_compressed_mp.py", "training/test_outputs.py",
+    "training/test_trainer.py", "training/test_grpo.py", "engine/test_compressed_mp.py", "training/test_outputs.py",
     "engine/test_comm_mp.py", "training/test_trainer_seat_groups.py", "benchmarks/test_kill_resume.py",
     "benchmarks/test_bench_fidelity.py", "bench/test_gpu_check.py", "benchmarks/test_placement.py",
     "launch/test_cpu_default_tracked.py", "mas/test_collection.py", "cli/test_failures.py",

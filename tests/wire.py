@@ -114,8 +114,11 @@ if __name__ == "__main__":   # launch_in_netns's child: python wire.py JOB OUT
         spec = json.load(job)
     sys.path[:] = spec["path"]
     target = getattr(importlib.import_module(spec["module"]), spec["name"])
-    from admm_dist.bench.launcher import launch_cpu
+    from admm_dist.bench import launcher
 
-    result = launch_cpu(target, spec["nprocs"], *spec["args"], timeout_s=spec["timeout_s"])
+    # the fork server imports what the ranks run (the test's module), not the trainer's libraries
+    # (transformers, PEFT), which a rank counting bytes never uses: about 4 s of CPU a launch
+    launcher.PRELOAD = ("torch", "torch.distributed", spec["module"])
+    result = launcher.launch_cpu(target, spec["nprocs"], *spec["args"], timeout_s=spec["timeout_s"])
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)

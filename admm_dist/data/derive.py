@@ -1,21 +1,23 @@
 """From a loaded fit set to the examples one objective trains on: derivation and filters.
 
-This module owns :func:`derive` (the ``sft``, ``rsft`` or ``dpo`` examples of a fit set,
-including the DPO pairing rule) and the filters that run on them before the node assignment
-(:mod:`admm_dist.data.partition`): :func:`drop_unclosed_think`, :func:`dedup_targets` and
-the :func:`target_composition` report. A target's *visible* text, which the dedup and the
+This module owns :func:`derive` (the ``sft``, ``rsft``, ``dpo`` or ``grpo`` examples of a fit set,
+including the DPO pairing rule and GRPO's group advantages, :func:`grpo_examples`) and the filters
+that run on them before the node assignment (:mod:`admm_dist.data.partition`):
+:func:`drop_unclosed_think`, :func:`dedup_targets` and the :func:`target_composition` report. A target's *visible* text, which the dedup and the
 report compare, is :func:`admm_dist.core.text.visible` (the text after the last
 ``</think>``), stripped.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from admm_dist.core.text import THINK_CLOSE, THINK_OPEN, is_int, visible
 from admm_dist.data.fitset import DERIVED_MODES, Example, FitSet, FitSetError, check_mode
 
 FIT_FILTERS = ("none", "drop_unclosed_think")   # fit_filter: what is dropped before training
+ADVANTAGE_EPS = 1e-4   # grpo: (reward - group mean) / (group std + this), TRL's GRPOTrainer's
 
 
 def derive(fs: FitSet, fit_mode: str, *, pair_by: Optional[str] = None) -> List[Example]:
@@ -35,6 +37,8 @@ def derive(fs: FitSet, fit_mode: str, *, pair_by: Optional[str] = None) -> List[
         anchor, prompt, reward and node, ``rejected_reward`` = the failed message's reward,
         ``advantage`` = chosen.advantage - rejected.advantage (the preference margin),
         ``success`` = None.
+      * ``grpo`` -- every message, its ``advantage`` its reward normalised in its group
+        (:func:`grpo_examples`); messages of groups whose rewards are all equal are dropped.
     From a ``dpo`` fit set only ``dpo`` (the pairs themselves).
     """
     check_mode(fit_mode, DERIVED_MODES, "fit_mode")
@@ -46,6 +50,8 @@ def derive(fs: FitSet, fit_mode: str, *, pair_by: Optional[str] = None) -> List[
                           f"collect with fit_mode sft (or {fit_mode}) instead")
     if fit_mode == "sft":
         return [dataclasses.replace(ex) for ex in fs.examples]
+    if fit_mode == "grpo":
+        return grpo_examples(fs)[0]
     if fs.examples and all(ex.success is None for ex in fs.examples):
         raise FitSetError(f"cannot derive {fit_mode!r} examples: the sft fit set carries no "
                           f"success labels; collect with a success-labelled reward")
@@ -80,6 +86,49 @@ def derive(fs: FitSet, fit_mode: str, *, pair_by: Optional[str] = None) -> List[
                                  advantage=c.advantage - r.advantage, success=None,
                                  node=c.node))
     return pairs
+
+
+def grpo_examples(fs: FitSet) -> Tuple[List[Example], Dict[str, int]]:
+    """GRPO's examples of an on-policy ``sft`` fit set, and the count of its groups
+    (:func:`advantages`)."""
+    if fs.fit_mode != "sft":
+        raise FitSetError(f"cannot derive 'grpo' examples from a {fs.fit_mode!r} fit set: collect with "
+                          f"fit_mode sft (every sampled message, with its reward)")
+    if fs.settings.get("sampling_structure") != "on_policy":
+        raise FitSetError("fit_mode grpo learns from messages the chain sampled itself: this fit set "
+                          f"is {fs.settings.get('sampling_structure') or 'not collected on-policy'}; "
+                          "collect on-policy (--task, without --fitset_cache)")
+    return advantages(fs.examples)
+
+
+def advantages(examples: Sequence[Example]) -> Tuple[List[Example], Dict[str, int]]:
+    """The messages of ``examples`` with their group advantages (new objects, in order), and
+    ``{"groups": n, "zero_spread": m}``.
+
+    A group is one seat's messages for one query (``seat``, ``anchor``): under ``credit shared``
+    the seat's messages in the query's ``group`` chains, under ``per_role`` the seat's ``group``
+    branches from one prefix. Groups are per seat, so each seat's advantages are normalised
+    among its own messages (Dr. MAS's per-agent normalisation). A message's ``advantage`` is
+    ``(reward - mean) / (std + ADVANTAGE_EPS)`` over its group (``std`` with Bessel's correction,
+    as TRL's ``GRPOTrainer``). A group whose rewards are all equal (or of one message) has
+    no advantage to give: its messages are dropped, and counted in ``zero_spread``."""
+    groups: Dict[Tuple[int, str], List[Example]] = {}
+    for ex in examples:
+        groups.setdefault((ex.seat, ex.anchor), []).append(ex)
+    out: Dict[int, Example] = {}
+    flat = 0
+    for members in groups.values():
+        rewards = [ex.reward for ex in members]
+        mean = sum(rewards) / len(rewards)
+        n = len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 0.0
+        if std == 0.0:
+            flat += 1
+            continue
+        for ex in members:
+            out[id(ex)] = dataclasses.replace(ex, advantage=(ex.reward - mean) / (std + ADVANTAGE_EPS))
+    kept = [out[id(ex)] for ex in examples if id(ex) in out]   # in order
+    return kept, {"groups": len(groups), "zero_spread": flat}
 
 
 # ----------------------------------------------------------------------------- filters

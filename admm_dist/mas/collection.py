@@ -43,6 +43,7 @@ from admm_dist.core.config_file import key
 from admm_dist.core.constants import PRESCREEN_SALT
 from admm_dist.core.errors import UserError
 from admm_dist.data import queries
+from admm_dist.data.derive import advantages
 from admm_dist.data.fitset import Example, FitSet
 from admm_dist.engine.comm import TELEMETRY
 from admm_dist.engine.comm.communicator import wait_all
@@ -276,6 +277,8 @@ class Collector:
             "mixed_group_rate": sum(0 < p < 1 for p in rates) / max(1, len(rates)),
             "per_group_outcomes": {g["anchor"]: g["outcomes"] for g in groups},
             "credit": self.credit, "reward": self.reward, "group": self.group,
+            # one seat's messages for one query: those whose rewards all agree teach grpo nothing
+            "reward_groups": advantages(examples)[1],
         }
         if self.credit == "per_role":
             stats.update(prefix_samples=self.prefix_samples,

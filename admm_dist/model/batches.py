@@ -29,7 +29,8 @@ Batches (:func:`collate`)
     order: chosen and rejected are scored by one batched forward. Only target tokens are
     scored: target token j of a row with a prompt of length p sits at position p + j and is
     predicted by the logits at position p + j - 1. Reference log-probs stored on the
-    records are copied into the batch.
+    records are copied into the batch; for ``grpo``, so are the sampling policy's log-probs and
+    each message's advantage (its group-normalised reward: :func:`admm_dist.data.derive.derive`).
 """
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ class Encoded:
     rejected_mask: Optional[List[int]] = None
     ref_logps: Optional[torch.Tensor] = None
     rejected_ref_logps: Optional[torch.Tensor] = None
+    advantage: float = 0.0           # grpo: the message's group advantage
+    sample_logps: Optional[torch.Tensor] = None   # grpo: the sampling policy's, like ref_logps
 
     @property
     def paired(self) -> bool:
@@ -195,7 +198,8 @@ def encode(tokenizer, examples: Sequence[Any], cfg: Encoding) -> EncodedSet:
         stats["target_truncated"] += any(len(texts[x]) > cfg.max_target_tokens for x in targets_in)
         out.append(Encoded(example_index=index[id(ex)], role=str(ex.role), prompt_ids=p,
                            target_ids=t, target_mask=m, rejected_prompt_ids=rp,
-                           rejected_ids=rt, rejected_mask=rm))
+                           rejected_ids=rt, rejected_mask=rm,
+                           advantage=float(ex.advantage) if cfg.fit_mode == "grpo" else 0.0))
     stats["kept"] = len(out)
     out.stats = stats
     skipped = {k: v for k, v in stats.items() if k.startswith("skipped_") and v}
@@ -223,6 +227,8 @@ class Batch:
     paired: bool
     example_index: List[int]         # per pair / example (length B)
     roles: List[str]                 # per pair / example (length B)
+    sample_logps: Optional[torch.Tensor] = None   # grpo: [R, T] float32, the sampling policy's
+    advantages: Optional[torch.Tensor] = None     # grpo: [R] float32, each message's advantage
 
     @property
     def n_rows(self) -> int:
@@ -238,7 +244,8 @@ class Batch:
         return dataclasses.replace(
             self, input_ids=mv(self.input_ids), attention_mask=mv(self.attention_mask),
             target_ids=mv(self.target_ids), target_pos=mv(self.target_pos),
-            target_mask=mv(self.target_mask), ref_logps=mv(self.ref_logps))
+            target_mask=mv(self.target_mask), ref_logps=mv(self.ref_logps),
+            sample_logps=mv(self.sample_logps), advantages=mv(self.advantages))
 
     def chosen(self) -> "Batch":
         """The chosen rows only (itself when not paired), trimmed of all-pad columns."""
@@ -288,10 +295,16 @@ def collate(encoded_list: Sequence[Encoded], pad_id: int) -> Batch:
         target_mask[r, :k] = torch.tensor(m, dtype=torch.float32)
         if with_ref:
             ref_logps[r, :k] = ref
+    sample_logps = advantages = None
+    if not paired and all(e.sample_logps is not None for e in encoded_list):   # grpo
+        sample_logps = torch.zeros((R, T), dtype=torch.float32)
+        for r, e in enumerate(encoded_list):
+            sample_logps[r, :len(e.target_ids)] = e.sample_logps
+        advantages = torch.tensor([e.advantage for e in encoded_list], dtype=torch.float32)
     return Batch(input_ids=input_ids, attention_mask=attention, target_ids=target_ids,
                  target_pos=target_pos, target_mask=target_mask, ref_logps=ref_logps,
                  paired=paired, example_index=[e.example_index for e in encoded_list],
-                 roles=[e.role for e in encoded_list])
+                 roles=[e.role for e in encoded_list], sample_logps=sample_logps, advantages=advantages)
 
 
 def batches(encoded: Sequence[Encoded], batch_size: int, pad_id: int) -> Iterator[Batch]:

@@ -1,4 +1,4 @@
-"""Node objectives f_i (docs/design.md section 3): DPO, SFT and rejection-sampled SFT with a KL term.
+"""Node objectives f_i (docs/design.md section 3): DPO, SFT, rejection-sampled SFT and GRPO, with a KL term.
 
 Pipeline, for one node's examples::
 
@@ -36,10 +36,13 @@ Objectives (:func:`loss`), with per-sequence sums l = sum of masked token log-pr
       all scored target tokens of the batch (chosen and rejected rows for dpo).
     The returned loss is the node objective value ``f_i`` reported to ADMM (the proximal
     term is added by the caller).
-    * :func:`clipped_surrogate`: GRPO's per-token objective (the clipped importance ratio
-      against the policy that sampled the messages, times each row's advantage, plus the k3
-      KL weighted by that ratio), equal to TRL's ``GRPOTrainer`` loss with ``loss_type="dapo"``
-      in value and gradient (tests/model/test_grpo_trl.py).
+    * ``grpo``: :func:`clipped_surrogate`, GRPO's per-token objective (the clipped importance
+      ratio against the policy that sampled the messages, times each message's group advantage,
+      plus ``kl_beta`` times the k3 KL weighted by that ratio), summed over the batch's scored
+      tokens and divided by their number: TRL's ``GRPOTrainer`` loss with ``loss_type="dapo"``
+      in value and gradient (tests/model/test_grpo_trl.py). Metrics: ``clip_frac``, ``kl``
+      (when ``kl_beta`` > 0), ``loss``. The sampling policy's log-probs are stored on the records
+      beside the reference's (:func:`precompute_reference` with ``sampling=True``).
 
 Reference (:func:`precompute_reference`)
     The reference log-probs never change during training (docs/design.md section 3), so they are
@@ -68,7 +71,7 @@ from admm_dist.core.errors import UserError
 from admm_dist.model.batches import Batch, Encoded, collate
 from admm_dist.model.batches import batches as batch_iter
 
-FIT_MODES = ("dpo", "sft", "rsft")
+FIT_MODES = ("dpo", "sft", "rsft", "grpo")
 TARGET_SPANS = ("full", "visible")
 # Scored tokens whose logits (float32, [n, vocab]) are made at once: a batch with more goes through
 # the LM head in chunks of this many, so that its logits, their log-softmax and, under autograd,
@@ -89,7 +92,9 @@ KL_REFS = ("frozen", "collect")   # kl_ref: the KL reference is the bare backbon
 class ObjectiveConfig:
     fit_mode: str = key("dpo",
                         "each node's objective: dpo (preference pairs, successful over failed message), "
-                        "sft (every collected message), rsft (messages of successful rollouts only)",
+                        "sft (every collected message), rsft (messages of successful rollouts only), "
+                        "grpo (every collected message, weighted by its group advantage under a clipped "
+                        "ratio to the policy that sampled it: needs recollect_every=1)",
                         choices=FIT_MODES)
     dpo_beta: float = key(0.1, "DPO temperature beta (> 0)")
     kl_beta: float = key(0.1, "weight of the per-token KL to the reference policy (0: no KL term)")
@@ -97,6 +102,10 @@ class ObjectiveConfig:
                            "visible (only the text after the last </think>)", choices=TARGET_SPANS)
     max_prompt_tokens: int = key(8192, "a longer prompt is truncated from the left")
     max_target_tokens: int = key(4096, "a longer target is truncated on the right")
+    clip_eps: float = key(0.2, "grpo: the ratio to the sampling policy is clipped below at 1 - clip_eps "
+                          "(in (0, 1))")
+    clip_eps_high: float = key(0.2, "grpo: ... and above at 1 + clip_eps_high (> 0; DAPO's clip-higher "
+                               "raises it, e.g. 0.28)")
 
     def __post_init__(self) -> None:
         if self.fit_mode not in FIT_MODES:
@@ -112,6 +121,13 @@ class ObjectiveConfig:
         if not (isinstance(self.kl_beta, (int, float)) and math.isfinite(self.kl_beta) and self.kl_beta >= 0):
             raise UserError(f"kl_beta={self.kl_beta!r} must be a number >= 0 "
                             f"(0 turns the KL term off)")
+        if not (isinstance(self.clip_eps, (int, float)) and 0 < self.clip_eps < 1):
+            raise UserError(f"clip_eps={self.clip_eps!r} must be in (0, 1): the ratio is clipped to "
+                            f"[1 - clip_eps, 1 + clip_eps_high] (0.2 is the usual choice)")
+        if not (isinstance(self.clip_eps_high, (int, float)) and math.isfinite(self.clip_eps_high)
+                and self.clip_eps_high > 0):
+            raise UserError(f"clip_eps_high={self.clip_eps_high!r} must be a number > 0 "
+                            f"(0.2 is the usual choice, 0.28 DAPO's)")
         for name in ("max_prompt_tokens", "max_target_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -120,6 +136,11 @@ class ObjectiveConfig:
     @property
     def paired(self) -> bool:
         return self.fit_mode == "dpo"
+
+    @property
+    def needs_sampling(self) -> bool:
+        """GRPO's ratio is taken against the log-probs of the policy that sampled the messages."""
+        return self.fit_mode == "grpo"
 
     @property
     def needs_reference(self) -> bool:
@@ -183,9 +204,11 @@ def precompute_reference(model: torch.nn.Module, encoded: Sequence[Encoded], *,
                          batch_size: int, ref_context: Callable[[], ContextManager],
                          pad_id: int = 0, force: bool = False, show: bool = False,
                          desc: str = "reference log-probs", part: Tuple[int, int] = (0, 1),
-                         gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> int:
+                         gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                         sampling: bool = False) -> int:
     """Store the reference per-token log-probs on every record of ``encoded`` that has none
-    (all of them with ``force``): under ``ref_context()``, ``torch.no_grad()`` and eval mode,
+    (all of them with ``force``; with ``sampling``, the sampling policy's, ``sample_logps``, on
+    records of single targets): under ``ref_context()``, ``torch.no_grad()`` and eval mode,
     in batches of ``batch_size`` records sorted by length (less padding; with right
     padding a row's values do not depend on its batch mates, up to float rounding).
     Returns the number of records computed; 0 forwards when every record already has its
@@ -198,7 +221,11 @@ def precompute_reference(model: torch.nn.Module, encoded: Sequence[Encoded], *,
     rank every record's values."""
     if batch_size < 1:
         raise UserError(f"batch_size={batch_size} must be >= 1")
-    todo = [e for e in encoded if force or not e.has_reference]
+    fields = _SAMPLING if sampling else _REFERENCE
+    if sampling and any(e.paired for e in encoded):
+        raise UserError("sampling log-probs are for single targets (fit_mode grpo), not preference pairs")
+    todo = [e for e in encoded if force or getattr(e, fields[0]) is None
+            or (e.paired and getattr(e, fields[1]) is None)]
     if not todo:
         return 0
     todo.sort(key=lambda e: max(len(p) + len(t) for p, t, _, _ in e.rows()))
@@ -212,23 +239,29 @@ def precompute_reference(model: torch.nn.Module, encoded: Sequence[Encoded], *,
             for b in range(j, -(-len(batches) // k) * k, k):
                 chunk = batches[min(b, len(batches) - 1)]
                 for e in chunk:          # collate ignores partial references anyway
-                    e.ref_logps = e.rejected_ref_logps = None
+                    for name in filter(None, fields):
+                        setattr(e, name, None)
                 lp = token_logps(model, collate(chunk, pad_id)).cpu()
                 for i, e in enumerate(chunk):
-                    e.ref_logps = lp[i, :len(e.target_ids)].clone()
+                    setattr(e, fields[0], lp[i, :len(e.target_ids)].clone())
                     if e.paired:
-                        e.rejected_ref_logps = lp[len(chunk) + i, :len(e.rejected_ids)].clone()
+                        setattr(e, fields[1], lp[len(chunk) + i, :len(e.rejected_ids)].clone())
                 shown.update(len(chunk))
             if k > 1:
-                _share_reference(batches, j, k, gather)
+                _share(batches, j, k, gather, fields)
     finally:
         model.train(was_training)
     return len(todo)
 
 
-def _share_reference(batches: Sequence[Sequence[Encoded]], j: int, k: int,
-                     gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Every record's reference values from the rank that computed them (batch b's: rank b mod k)."""
+_REFERENCE = ("ref_logps", "rejected_ref_logps")   # the records' fields precompute_reference fills
+_SAMPLING = ("sample_logps", None)   # ... with sampling=True (single targets only)
+
+
+def _share(batches: Sequence[Sequence[Encoded]], j: int, k: int,
+           gather: Callable[[torch.Tensor], torch.Tensor], fields: Tuple[str, Optional[str]]) -> None:
+    """Every record's values in ``fields`` from the rank that computed them (batch b's: rank b mod k)."""
+    own, rejected = fields
     mine = torch.zeros(sum(len(e.target_ids) + (len(e.rejected_ids) if e.paired else 0)
                            for chunk in batches for e in chunk), dtype=torch.float32)
     at = 0
@@ -236,17 +269,18 @@ def _share_reference(batches: Sequence[Sequence[Encoded]], j: int, k: int,
         for e in chunk:
             n, m = len(e.target_ids), (len(e.rejected_ids) if e.paired else 0)
             if b % k == j:
-                mine[at:at + n] = e.ref_logps
+                mine[at:at + n] = getattr(e, own)
                 if m:
-                    mine[at + n:at + n + m] = e.rejected_ref_logps
+                    mine[at + n:at + n + m] = getattr(e, rejected)
             at += n + m
     every = gather(mine)
     at = 0
     for b, chunk in enumerate(batches):
         for e in chunk:
             n, m = len(e.target_ids), (len(e.rejected_ids) if e.paired else 0)
-            e.ref_logps = every[b % k, at:at + n].clone()
-            e.rejected_ref_logps = every[b % k, at + n:at + n + m].clone() if m else None
+            setattr(e, own, every[b % k, at:at + n].clone())
+            if rejected is not None:
+                setattr(e, rejected, every[b % k, at + n:at + n + m].clone() if m else None)
             at += n + m
 
 
@@ -308,11 +342,21 @@ def loss(model: torch.nn.Module, batch: Batch, cfg: ObjectiveConfig,
         raise UserError("the batch has no reference log-probs: call precompute_reference() "
                         "on the encoded examples before training"
                         + ("" if cfg.paired else " (or set kl_beta 0)"))
+    if cfg.needs_sampling and (batch.sample_logps is None or batch.advantages is None):
+        raise UserError("a grpo batch needs its messages' advantages and the sampling policy's log-probs: "
+                        "encode the examples with fit_mode grpo and call precompute_reference(..., "
+                        "sampling=True) under the state that sampled them")
     b = batch.to(_device(model))
     lp = token_logps(model, b)
     mask = b.target_mask
     metrics: Dict[str, float] = {}
     examples, tokens = norm if norm is not None else (None, None)
+    if cfg.needs_sampling:   # the KL (ratio-weighted, as TRL's) is inside the surrogate
+        total, metrics = clipped_surrogate(lp, b.sample_logps, b.advantages, mask, clip_low=cfg.clip_eps,
+                                           clip_high=cfg.clip_eps_high, ref=b.ref_logps, kl_beta=cfg.kl_beta,
+                                           tokens=tokens)
+        metrics["loss"] = float(total.detach())
+        return total, metrics
     kl = _k3(lp, b.ref_logps, mask, tokens) if b.ref_logps is not None else None
     if cfg.paired:
         n = b.n_examples

@@ -7,8 +7,9 @@ collection and kept for the later ones. :func:`record_collection` puts a collect
 in the report, the trackers and the log, and writes the first one to ``fitset_cache``.
 
 What each seat deploys in the middle of a run, which a re-collection rolls it out under
-(:func:`node_vectors`, :func:`seat_states`), and under ``kl_ref collect`` the KL reference each
-node then trains against (:func:`kl_references`). Each node's part is kept in every checkpoint
+(:func:`node_vectors`, :func:`seat_states`), and the state each node's messages were sampled under
+(:func:`sampled_under`): the KL reference under ``kl_ref collect``, GRPO's sampling policy. Each
+node's part is kept in every checkpoint
 until the next collection, so a run resumed between two collections makes the last one again
 under the same states. At the end of a run the same choice is written to files by
 :mod:`admm_dist.training.outputs`.
@@ -104,6 +105,10 @@ def record_collection(cfg: TrainConfig, f: fs.FitSet, collection: int, *, record
     talk(f"collection {collection}: {stats['kept_queries']}/{stats['queries']} queries x {cfg.group} "
          f"({cfg.credit}), {len(f.examples)} examples, pass rate {stats['mean_pass_rate']:.3f}, "
          f"mixed groups {stats['mixed_group_rate']:.3f} ({stats['seconds']}s)")
+    if cfg.fit_mode == "grpo":
+        groups = stats["reward_groups"]
+        talk(f"collection {collection}: {groups['zero_spread']} of {groups['groups']} seat groups had equal "
+             "rewards (no advantage): their messages are not trained on")
     if collection == 0 and cfg.fitset_cache and rank == 0:
         fs.save_fitset(cfg.fitset_cache, f.examples, fit_mode="sft", settings=f.settings, stats=stats,
                        anchor_keys=f.anchor_keys)
@@ -130,8 +135,9 @@ def seat_states(cfg: TrainConfig, engine, vectors: Sequence[torch.Tensor]) -> Di
     return {s: every[0 if cfg.pooled else i].clone() for i, s in enumerate(seats)}
 
 
-def kl_references(cfg: TrainConfig, states: Dict[int, torch.Tensor],
+def sampled_under(cfg: TrainConfig, states: Dict[int, torch.Tensor],
                   nodes: Sequence[int]) -> Dict[int, torch.Tensor]:
-    """``kl_ref collect`` after a re-collection: {node: the state its seat collected with}."""
+    """After a re-collection: {node: the state its seat sampled its messages under}, the KL reference
+    under ``kl_ref collect`` and the policy GRPO's ratio is taken against."""
     seats = cfg.adapted_seats()
     return {node: states[seats[0] if cfg.pooled else seats[node]] for node in nodes}

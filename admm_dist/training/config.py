@@ -150,8 +150,8 @@ class TrainConfig:
                                       fingerprint="content")
     fit_filter: str = key("drop_unclosed_think", "what is dropped before training: none, or messages whose "
                           "<think> block never closed", choices=FIT_FILTERS, group=OBJ)
-    dedup_targets: int = key(3, "at most this many examples of a node may share one target text (0: off)",
-                             group=OBJ)
+    dedup_targets: int = key(3, "at most this many examples of a node may share one target text (0: off; "
+                             "grpo keeps every message: a group's repeats are its samples)", group=OBJ)
     dev_frac: float = key(0.0, "hold out this fraction of each seat's examples to track held-out NLL and "
                           "write <out>-best.safetensors (0: train on all); with recollect_every, of the "
                           "first collection's, kept for the whole run", group=HELD_OUT)
@@ -173,6 +173,8 @@ class TrainConfig:
     fit_mode: str = from_component(ObjectiveConfig, "fit_mode", group=OBJ)
     dpo_beta: float = from_component(ObjectiveConfig, "dpo_beta", group=OBJ)
     kl_beta: float = from_component(ObjectiveConfig, "kl_beta", group=OBJ)
+    clip_eps: float = from_component(ObjectiveConfig, "clip_eps", group=OBJ)
+    clip_eps_high: float = from_component(ObjectiveConfig, "clip_eps_high", group=OBJ)
     kl_ref: str = key("frozen", "the KL reference: frozen (the backbone, adapters off) or collect (the "
                       "policy that collected the examples: the --init_state adapter, else the backbone, for "
                       "the first collection; each seat's state at a re-collection)", choices=KL_REFS,
@@ -286,6 +288,14 @@ class TrainConfig:
                             "from: use --credit per_role, or prefix_samples 1")
         if self.recollect_every < 0:
             raise UserError(f"recollect_every={self.recollect_every}: use 0 (collect once) or N >= 1 rounds")
+        if self.fit_mode == "grpo":   # on-policy by construction (docs/design.md, GRPO)
+            if self.recollect_every != 1:
+                raise UserError(f"fit_mode grpo trains on messages sampled under the state each seat "
+                                f"deployed the round before, recollect_every={self.recollect_every} would "
+                                "train on older ones: set recollect_every=1")
+            if self.group < 2:
+                raise UserError(f"fit_mode grpo weighs each message against the others of its group, and "
+                                f"group={self.group} gives none: set group >= 2 (e.g. 8)")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise UserError(f"temperature={self.temperature}: collection samples; use a value > 0 (e.g. 0.8)")
         if not 0 < self.top_p <= 1:
@@ -381,7 +391,8 @@ class TrainConfig:
     def objective_config(self) -> ObjectiveConfig:
         return ObjectiveConfig(fit_mode=self.fit_mode, dpo_beta=self.dpo_beta, kl_beta=self.kl_beta,
                                target_span=self.target_span, max_prompt_tokens=self.max_prompt_tokens,
-                               max_target_tokens=self.max_target_tokens)
+                               max_target_tokens=self.max_target_tokens, clip_eps=self.clip_eps,
+                               clip_eps_high=self.clip_eps_high)
 
     def tracking_config(self) -> TrackingConfig:
         return TrackingConfig(report_to=self.report_to, tracking_dir=self.tracking_dir,

@@ -12,6 +12,7 @@ the clipping and Adam's step run the same way on every rank of the group.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
@@ -81,6 +82,15 @@ class LocalSteps:
         return float(summed[-1])
 
 
+def sampling_digest(enc: Sequence[bt.Encoded]) -> str:
+    """A sha256 (16 hex digits) of the sampling policy's log-probs of ``enc``, record by record: a
+    checkpoint keeps it, and a resume that makes the collection again checks it."""
+    h = hashlib.sha256()
+    for e in enc:
+        h.update(e.sample_logps.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def checkpoint_activations(model: Any, cfg: "TrainConfig", device_type: str) -> None:
     """Gradient checkpointing trades compute for activation memory: on by default on GPU
     (``no_grad_checkpointing`` turns it off); a CPU run has the memory and would only pay the
@@ -91,13 +101,15 @@ def checkpoint_activations(model: Any, cfg: "TrainConfig", device_type: str) -> 
 
 
 def reference_logps(cfg: "TrainConfig", adapter: "BOnlyLoRA", seat: SeatGroup, enc: Sequence[bt.Encoded],
-                    vec: Optional[torch.Tensor], pad_id: int, show: bool = False) -> None:
-    """Reference log-probs of ``enc``, once per example: under the adapter state ``vec`` (``kl_ref
-    collect``: the policy that collected them), or adapters off (None); a seat's k ranks
-    compute a batch each in turn and share them."""
+                    vec: Optional[torch.Tensor], pad_id: int, show: bool = False,
+                    sampling: bool = False) -> None:
+    """Reference log-probs of ``enc`` (``sampling``: the sampling policy's), once per example: under
+    the adapter state ``vec`` (the policy that collected them), or adapters off (None); a seat's k
+    ranks compute a batch each in turn and share them."""
     if vec is not None:
         adapter.load_vector(vec)
     model = adapter.model
     ctx = (lambda: contextlib.nullcontext(model)) if vec is not None else adapter.disabled
     obj.precompute_reference(model, enc, batch_size=cfg.forward_rows, ref_context=ctx, pad_id=pad_id,
-                             show=show, part=(seat.index, seat.k), gather=seat.gather)
+                             show=show, part=(seat.index, seat.k), gather=seat.gather, sampling=sampling,
+                             desc="sampling log-probs" if sampling else "reference log-probs")

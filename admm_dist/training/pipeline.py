@@ -105,7 +105,7 @@ def shard(cfg: TrainConfig, f: fs.FitSet, nodes: Sequence[int], report: TrainRep
         talk(f"note: {others} examples belong to seats this run does not adapt (adapt_roles="
                   f"{cfg.adapt_roles}): not trained on")
     per_seat = pt.by_seat(examples, seats, drop_others=True)
-    if cfg.dedup_targets > 0:
+    if cfg.dedup_targets > 0 and cfg.fit_mode != "grpo":   # grpo: a group's repeats are its samples
         flat = dv.dedup_targets([e for s in per_seat for e in s], cfg.dedup_targets)
         per_seat = pt.by_seat(flat, seats)
     report.target_composition = dv.target_composition(per_seat)

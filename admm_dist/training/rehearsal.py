@@ -190,9 +190,13 @@ def _round_memory(cfg: TrainConfig, run, model, comm, seat, target: torch.device
     states, reference = {}, 0
     for node in nodes:
         encoded = _examples(cfg, cfg.batch_size)
-        if cfg.objective_config().needs_reference:
+        ocfg = cfg.objective_config()
+        if ocfg.needs_reference or ocfg.needs_sampling:   # grpo's sampling log-probs count here too
             before = _mark(run)
-            reference_logps(cfg, adapter, seat, encoded, None, pad)
+            if ocfg.needs_reference:
+                reference_logps(cfg, adapter, seat, encoded, None, pad)
+            if ocfg.needs_sampling:
+                reference_logps(cfg, adapter, seat, encoded, None, pad, sampling=True)
             transient["reference"] = run.peak - before
             reference += run.now - before
         opt = torch.optim.Adam([adapter.param], lr=cfg.eta, foreach=False)

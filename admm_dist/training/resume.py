@@ -52,6 +52,7 @@ class Checkpointed:
             tensors[COLLECTED_UNDER] = self.collected_under[list(self.nodes).index(node)]
         meta = {"engine": {k: engine_state[k] for k in ("round", "rho", "history")},
                 "adam": adam_scalars, "sampler": st.sampler.state_dict() if st.sampler else None,
+                "sampling": st.sampling,
                 "record": self.record.state_dict(),
                 "best": None if self.best is None else {k: v for k, v in self.best.state_dict().items()
                                                         if k != "z"}}
@@ -216,6 +217,12 @@ def restore_round(cfg: TrainConfig, agreed: int, run: Checkpointed, *, fingerpri
                                   "damaged or from another version; delete that round folder to resume from "
                                   "the one before")
         recollect(again, [v.to(device) for v in kept])
+        for node, (_, meta) in loaded.items():   # grpo: the ratio's denominator must be the one trained on
+            if meta.get("sampling") != run.nodes[node].sampling:
+                raise CheckpointError(f"checkpoint {where}/node-{node}: collection {again}, made again under "
+                                      "the states it kept, gives other sampling log-probs than the run "
+                                      "trained on (the backbone, the code or the machine changed): "
+                                      "resume=never starts over")
     for node, (tensors, meta) in loaded.items():
         st = run.nodes[node]
         try:

@@ -22,6 +22,7 @@ class NodeState:
     encoded: list
     sampler: Optional["RoleBalancedSampler"]   # None: no examples (f_i = 0)
     optimizer: torch.optim.Optimizer
+    sampling: Optional[str] = None   # grpo: the digest of its examples' sampling log-probs
 
 
 @dataclasses.dataclass

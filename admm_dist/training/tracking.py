@@ -150,11 +150,13 @@ def round_scalars(rec: "RoundRecord", *, telemetry_sent: int, telemetry_recv: in
 
 
 def collection_scalars(stats: Mapping[str, Any]) -> Dict[str, float]:
-    """A collection's numeric statistics (the fit set's size and pass rates; pre-screen counts)."""
+    """A collection's numeric statistics (the fit set's size and pass rates; pre-screen and reward
+    group counts)."""
     out = {f"collection/{k}": float(v) for k, v in stats.items()
            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "collection"}
-    for k, v in (stats.get("prescreen") or {}).items():
-        out[f"collection/prescreen_{k}"] = float(v)
+    for part in ("prescreen", "reward_groups"):
+        for k, v in (stats.get(part) or {}).items():
+            out[f"collection/{part}_{k}"] = float(v)
     return out
 
 

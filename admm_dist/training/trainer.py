@@ -50,10 +50,11 @@ BYTE_PHASES = (CONSENSUS, IN_PROCESS, SEAT, TELEMETRY)                   # bytes
 from admm_dist.model.vectors import check_same_basis, hash_to_int64_row, int64_row_to_hash, load_vector
 from admm_dist.training import checkpoint as ckpt
 from admm_dist.training import pipeline, resume
-from admm_dist.training.collecting import (CollectionRunner, kl_references, node_vectors, record_collection,
+from admm_dist.training.collecting import (CollectionRunner, node_vectors, record_collection, sampled_under,
                                            seat_states)
 from admm_dist.training.config import RESUMABLE, TrainConfig
-from admm_dist.training.local_steps import LocalSteps, checkpoint_activations, reference_logps
+from admm_dist.training.local_steps import (LocalSteps, checkpoint_activations, reference_logps,
+                                            sampling_digest)
 from admm_dist.training.outputs import RefusedError, RunOutputs, delta_w_rel, refusal
 from admm_dist.training.report import TrainReport
 from admm_dist.training.state import BestRound, NodeState, RunRecord
@@ -161,7 +162,8 @@ class Trainer:
         self.local_steps = LocalSteps(cfg, self.model, self.adapter, self.ocfg, self.tokenizer.pad_token_id,
                                       self.seat)
         self.init_vec = None
-        self.ref_vecs: Dict[int, torch.Tensor] = {}   # kl_ref collect after a re-collection: node -> state
+        # after a re-collection: node -> the state its seat sampled under (before: init_vec)
+        self.sampled_under: Dict[int, torch.Tensor] = {}
         if cfg.init_state:
             self.init_vec, _ = load_vector(cfg.init_state, self.adapter)
         if collecting:
@@ -214,16 +216,15 @@ class Trainer:
 
     def recollect(self, collection: int, vectors: Optional[List[torch.Tensor]] = None) -> None:
         """Fresh queries, each seat under the state it deploys (:func:`node_vectors`): now, or as a
-        resumed checkpoint kept it (``vectors``, one per local node); under ``kl_ref collect`` that
-        state becomes its node's KL reference. The held-out set stays the first collection's:
-        every example of this one is trained on."""
+        resumed checkpoint kept it (``vectors``, one per local node); that state becomes its node's
+        sampling policy (GRPO's ratio) and, under ``kl_ref collect``, its KL reference. The
+        held-out set stays the first collection's: every example of this one is trained on."""
         if vectors is None:
             vectors = node_vectors(self.cfg, self.engine, len(self.nodes))
         self.collected_under = vectors        # kept in every checkpoint until the next collection
         states = seat_states(self.cfg, self.engine, vectors)
         self.shards, _ = self.shard(self.collect(collection, states), hold_out=False)
-        if self.cfg.kl_ref == "collect":
-            self.ref_vecs = kl_references(self.cfg, states, self.nodes)
+        self.sampled_under = sampled_under(self.cfg, states, self.nodes)
         self.encode_nodes()
 
     # ------------------------------------------------------------------ nodes
@@ -240,28 +241,34 @@ class Trainer:
         self.best = None
 
     def encode_nodes(self) -> None:
-        """Tokenize each node's shard, compute its reference log-probs, (re)start its sampler."""
+        """Tokenize each node's shard, compute its reference log-probs (and for grpo the sampling
+        policy's, under the state its seat sampled with), (re)start its sampler."""
         cfg = self.cfg
         for node in self.nodes:
             if not self.shards[node]:    # f_i = 0 (empty_nodes prox): nothing to encode
-                self.state[node].encoded, self.state[node].sampler = [], None
+                self.state[node].encoded, self.state[node].sampler, self.state[node].sampling = [], None, None
                 continue
             enc = bt.encode(self.tokenizer, self.shards[node], self.ocfg)
             if not enc:
                 raise UserError(f"node {node}: every example became empty after truncation: "
                                 "raise --max_target_tokens")
             pipeline.check_context(cfg, self.model, enc)
-            self.reference(enc, self.ref_vecs.get(node, self.init_vec if cfg.kl_ref == "collect" else None))
+            sampled = self.sampled_under.get(node, self.init_vec)   # None: the bare backbone's
+            self.reference(enc, sampled if cfg.kl_ref == "collect" else None)
+            if self.ocfg.needs_sampling:
+                self.reference(enc, sampled, sampling=True)
+                self.state[node].sampling = sampling_digest(enc)
             self.state[node].encoded = enc
             self.state[node].sampler = RoleBalancedSampler(enc, cfg.batch_size,
                                                            cfg.seed * SAMPLER_SALT + node,
                                                            balance=not cfg.no_role_balance)
 
-    def reference(self, enc, vec: Optional[torch.Tensor]) -> None:
-        """Reference log-probs, once per example: under the adapter state ``vec`` (``kl_ref
-        collect``: the policy that collected them), or adapters off (None); a seat's k ranks
-        compute a batch each in turn and share them."""
-        reference_logps(self.cfg, self.adapter, self.seat, enc, vec, self.tokenizer.pad_token_id, self.show)
+    def reference(self, enc, vec: Optional[torch.Tensor], sampling: bool = False) -> None:
+        """Reference log-probs (``sampling``: the sampling policy's), once per example: under the
+        adapter state ``vec`` (the policy that collected them), or adapters off (None); a seat's k
+        ranks compute a batch each in turn and share them."""
+        reference_logps(self.cfg, self.adapter, self.seat, enc, vec, self.tokenizer.pad_token_id, self.show,
+                        sampling=sampling)
 
     # ------------------------------------------------------------------ x-step
     def xstep(self, node: int, x: torch.Tensor, centre: Optional[torch.Tensor], rho: float) -> float:

@@ -123,7 +123,7 @@ def test_a_typo_under_torchrun_is_said_once_and_no_line_advises_a_rerun(tmp_path
     """Every rank finds the typo alike: the first to find it says it, the others say nothing (or
     are stopped by the agent while they start, silently). The rest is torchrun's own summary."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    cmd = train_cmd([f"out={tmp_path / 'run'}", "k_outr=2"], 4)
+    cmd = train_cmd([f"out={tmp_path / 'run'}", "k_outr=2"], 2)   # two ranks: one says it, one is silent
     p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:
