@@ -24,8 +24,10 @@ What one run does, for every seed of ``--seeds``:
    ADMM-decentralized (``consensus=decentralized``, deployed per seat),
    Centralized (``pooled`` on one node), ADMM-Local (``local_only``, deployed per seat) and
    ADMM-NoDual (``no_dual``); ADMM-ring-int8 and ADMM-decentralized-int8 (``compress=int8``)
-   and ADMM-ring-int4 (``compress=int4``) when ``--arms`` names them. ``key=value`` arguments
-   override the config for every arm.
+   and ADMM-ring-int4 (``compress=int4``) when ``--arms`` names them; GRPO-ring, GRPO-Centralized,
+   GRPO-Local and GRPO-NoDual (the same four, ``fit_mode=grpo`` with a collection every round
+   on 24 fresh queries, eta 1e-3: :data:`benchmarks.fidelity_run.GRPO`) likewise. ``key=value``
+   arguments override the config for every arm.
 3. **Evaluation** of each arm on the same held-out rows (the front rows of the task's
    evaluation pool under ``--eval_seed``, checked against the arm's training report for
    leakage): greedy on the front ``--eval_n``, sampled on the front ``--sampled_n``

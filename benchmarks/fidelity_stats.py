@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Sequence
 
-from benchmarks.fidelity_run import BASE, REFERENCE, BenchError
+from benchmarks.fidelity_run import ARM_BY_NAME, BASE, REFERENCE, BenchError, base_config
 
 SINGLE = "base 1 seat"   # the untrained model alone (one seat, no chain), greedy on the chain's rows
 
@@ -117,17 +117,19 @@ def summarize(args, base: dict, seeds: List[dict]) -> Dict[str, object]:
         }
     out["collection"] = [next((a.get("collection") for a in s["arms"].values() if a.get("collection")), None)
                          for s in seeds]
-    curves = {name: _curve(args, base, [s["arms"][name] for s in seeds]) for name in args.arm_list}
+    curves = {name: _curve(args, base, [s["arms"][name] for s in seeds], name) for name in args.arm_list}
     out["curves"] = {name: c for name, c in curves.items() if c}
     return out
 
 
-def _curve(args, base: dict, per: List[dict]) -> Dict[str, object]:
-    """A consensus arm's greedy accuracy after each collection's rounds (empty when it collected
-    once or was refused): per point the per-seed accuracy, the mean gain over the base and its
+def _curve(args, base: dict, per: List[dict], name: str) -> Dict[str, object]:
+    """A consensus arm's greedy accuracy at the rounds its curve was read (empty when it collected
+    once or was refused): per point the collections trained on by then (the arm collects every
+    ``recollect_every`` rounds), the per-seed accuracy, the mean gain over the base and its
     crossed-bootstrap interval."""
     if not all(p.get("curve") for p in per):
         return {}
+    every = base_config(args, 0, ARM_BY_NAME[name]).recollect_every
     rounds = per[0]["curve"]["rounds"]
     b = base["rows"]["greedy"][:len(per[0]["curve"]["greedy"][0])]   # the curve reads the front rows
     points = []
@@ -135,7 +137,8 @@ def _curve(args, base: dict, per: List[dict]) -> Dict[str, object]:
         rows = [p["curve"]["greedy"][i] for p in per]
         d = [[y - x for y, x in zip(r, b)] for r in rows]
         acc = [sum(r) / len(r) for r in rows]
-        points.append({"round": k, "collections": i + 1, "accuracy": acc, "mean": sum(acc) / len(acc),
+        points.append({"round": k, "collections": (k - 1) // every + 1, "accuracy": acc,
+                       "mean": sum(acc) / len(acc),
                        "gain": sum(sum(r) / len(r) for r in d) / len(d),
                        "gain_ci95": list(crossed_bootstrap(d, args.boot, seed=2 + i))})
     return {"base": sum(b) / len(b), "rows": len(b), "points": points}
@@ -192,23 +195,24 @@ def format_table(summary: Dict[str, object], args) -> str:
 
 
 def _curve_lines(summary: Dict[str, object], w: int) -> List[str]:
-    """The learning curve: each consensus arm's greedy gain after 1, 2, ... collections."""
+    """The learning curve: each consensus arm's greedy gain at the end of the rounds of
+    benchmarks.fidelity_run.curve_rounds (each cell after the round its column names)."""
     curves = summary.get("curves") or {}
     if not curves:
         return []
-    most = max(len(c["points"]) for c in curves.values())
+    rounds = sorted({p["round"] for c in curves.values() for p in c["points"]})
     n = next(iter(curves.values())).get("rows")
     on = f" on the front {n} rows" if n else ""
-    lines = [f"\ngreedy gain over the base after each collection's rounds{on} (mean over seeds, 95% CI over "
-             "seeds and rows)", f"{'arm':<{w}}" + "".join(f"{f'{c + 1} coll.':>24}" for c in range(most))]
+    lines = [f"\ngreedy gain over the base along training{on} (mean over seeds, 95% CI over seeds and rows)",
+             f"{'arm':<{w}}" + "".join(f"{f'after round {r}':>24}" for r in rounds)]
     for name, c in curves.items():
+        at = {p["round"]: p for p in c["points"]}
         cells = []
-        for p in c["points"]:
-            lo, hi = p["gain_ci95"]
-            cells.append(f"{p['gain']:+7.3f} [{lo:+.3f}, {hi:+.3f}]".rjust(24))
+        for r in rounds:
+            p = at.get(r)
+            lo, hi = p["gain_ci95"] if p else (0.0, 0.0)
+            cells.append((f"{p['gain']:+7.3f} [{lo:+.3f}, {hi:+.3f}]" if p else "-").rjust(24))
         lines.append(f"{name:<{w}}" + "".join(cells))
-    lines.append(f"{'(round)':<{w}}"
-                 + "".join(f"{p['round']:>24}" for p in next(iter(curves.values()))["points"]))
     return lines
 
 

@@ -2,7 +2,8 @@
 with N = 3 seats and a synthetic DPO fit set (``assets``, one per test module), as a config
 (``_cfg``), as command-line overrides (``_args``), in one rank (``_train_worker``; several runs
 one after the other in one launch: ``_train_many``) or under torchrun's elastic agent
-(``_launch_cli``)."""
+(``_launch_cli``); and the stand-in's on-policy run (``standin_cfg``: the shipped stand-in's
+4-seat chain collecting its own fit sets)."""
 import pytest
 
 from admm_dist.bench.launcher import launch_cpu
@@ -28,6 +29,21 @@ def _settings(assets, out, **kw):
 
 def _cfg(assets, out, **kw):
     return TrainConfig(**_settings(assets, out, **kw))
+
+
+def standin_cfg(tmp, **kw):
+    """A short on-policy run of the shipped stand-in (``assets/standin``): 4 seats, 6 queries x 4
+    branches per seat (``per_role``), DPO, 2 rounds; ``kw`` overrides."""
+    from admm_dist.demo import standin
+
+    base = dict(task="chain_arith", anchor_split="train", model_name=str(standin.DEFAULT_DIR), device="cpu",
+                n_agents=4, anchors=6, group=4, credit="per_role", fit_mode="dpo", max_new_tokens=16,
+                gen_batch_size=256, gen_chunk=16, lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
+                k_outer=2, local_steps=2, batch_size=4, eta=0.003, rho=0.1, grad_clip=1.0,
+                empty_nodes="prox", out=str(tmp / "run"), report_dir=str(tmp / "rep"), quiet=True,
+                timeout_s=120)
+    base.update(kw)
+    return TrainConfig(**base)
 
 
 def _train_worker(ctx, cfg):

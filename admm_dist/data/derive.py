@@ -3,9 +3,9 @@
 This module owns :func:`derive` (the ``sft``, ``rsft``, ``dpo`` or ``grpo`` examples of a fit set,
 including the DPO pairing rule and GRPO's group advantages, :func:`grpo_examples`) and the filters
 that run on them before the node assignment (:mod:`admm_dist.data.partition`):
-:func:`drop_unclosed_think`, :func:`dedup_targets` and the :func:`target_composition` report. A target's *visible* text, which the dedup and the
-report compare, is :func:`admm_dist.core.text.visible` (the text after the last
-``</think>``), stripped.
+:func:`drop_unclosed_think`, :func:`dedup_targets` and the :func:`target_composition` report. A
+target's *visible* text, which the dedup and the report compare, is
+:func:`admm_dist.core.text.visible` (the text after the last ``</think>``), stripped.
 """
 from __future__ import annotations
 

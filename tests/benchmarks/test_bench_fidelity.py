@@ -134,7 +134,7 @@ def test_table_lists_every_arm(bench, capsys):
         assert name in text
     assert f"greedy accuracy on {EVAL_N} held-out rows" in text
     assert f"sampled accuracy on {SAMPLED_N} held-out rows" in text
-    assert f"after each collection's rounds on the front {SAMPLED_N} rows" in text
+    assert f"greedy gain over the base along training on the front {SAMPLED_N} rows" in text
     greedy = text.split("greedy accuracy", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
     rows = {line.split()[0]: line for line in greedy}
     # the arm column fits the longest name: rows with the same figures have the same length
@@ -144,9 +144,9 @@ def test_table_lists_every_arm(bench, capsys):
     alone = text.split("the untrained model alone", 1)[1].split("\n\n", 1)[0].splitlines()
     assert f"greedy: {summary['modes']['greedy'][SINGLE]['mean']:.3f}" in alone[0]
     assert [r.split()[0] for r in alone[1:]] == list(RUN)
-    curve = text.split("after each collection's rounds", 1)[1].splitlines()
-    assert curve[1].split() == ["arm", "1", "coll.", "2", "coll."]
-    assert [r.split()[0] for r in curve[2:4]] == ["ADMM-ring", "Centralized"] and curve[4].split() == ["(round)", "1", "2"]
+    curve = text.split("along training", 1)[1].splitlines()
+    assert curve[1].split() == ["arm", "after", "round", "1", "after", "round", "2"]
+    assert [r.split()[0] for r in curve[2:4]] == ["ADMM-ring", "Centralized"] and len(curve) == 4
 
 
 def test_reuse_gives_the_same_summary(bench, tmp_path):
@@ -241,6 +241,12 @@ def test_the_ablations_keep_the_configs_rho_when_the_config_adapts_it(tmp_path):
     assert not got["ADMM-NoDual"].rho_adapt and got["ADMM-NoDual"].no_dual
     assert not got["ADMM-Local"].rho_adapt and got["ADMM-Local"].local_only
     assert got["ADMM-NoDual"].rho == got["ADMM-ring"].rho
+    # the GRPO arms: the same seats and ablations, by GRPO on a collection every round
+    for name in ("ring", "Centralized", "Local", "NoDual"):
+        grpo, same = got[f"GRPO-{name}"], got[name if name == "Centralized" else f"ADMM-{name}"]
+        assert (grpo.fit_mode, grpo.recollect_every, same.fit_mode) == ("grpo", 1, "dpo"), name
+        assert (grpo.pooled, grpo.local_only, grpo.no_dual, grpo.rho_adapt) == \
+            (same.pooled, same.local_only, same.no_dual, same.rho_adapt), name
 
 
 def test_a_seeds_fit_set_of_other_settings_stops_the_run_in_one_line(tmp_path, capsys):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 from conftest import REPO
@@ -46,12 +44,12 @@ def inputs(tmp_path):
     return runs, evals, bench
 
 
-def test_the_command_writes_every_figure(tmp_path, inputs):
+def test_the_command_writes_every_figure(tmp_path, inputs, capsys):
     runs, evals, bench = inputs
     out = tmp_path / "out" / "figs"
-    proc = subprocess.run([sys.executable, "-m", "admm_dist.plot", *runs, *evals, bench, "--out", str(out)],
-                          check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code = main([*runs, *evals, bench, "--out", str(out)])   # the command's main, in this process
+    said = capsys.readouterr()
+    assert code == 0, said.err[-2000:]
     modes = len(json.loads((REPO / "docs" / "bench_fidelity.json").read_text())["modes"])
     want = {}                                         # file -> (panels, source)
     for name, src in zip(("alpha", "beta"), runs):
@@ -59,7 +57,7 @@ def test_the_command_writes_every_figure(tmp_path, inputs):
                      f"{name}-bytes.png": (2, src)})
     want.update({"compare-residuals.png": (1, "; ".join(runs)), "compare-objectives.png": (1, "; ".join(runs)),
                  "accuracy.png": (1, "; ".join(evals)), "accuracy-by-arm.png": (modes, bench)})
-    assert proc.stdout.splitlines() == [f"wrote {out / name}" for name in want]
+    assert said.out.splitlines() == [f"wrote {out / name}" for name in want]
     assert sorted(p.name for p in out.iterdir()) == sorted(want)
     for name, (panels, source) in want.items():
         assert (out / name).stat().st_size > 0

@@ -1,8 +1,6 @@
 """``generation_backend``: its settings are checked, and without vLLM installed the vllm
 backend is one line naming the install command (the backend itself: tests/mas/test_vllm_backend.py)."""
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 
@@ -27,27 +25,22 @@ def test_hf_is_the_default_and_the_backend_keys_fingerprints_and_fit_sets():
 
 
 @pytest.mark.skipif(not NO_VLLM, reason="vLLM is installed here: the backend runs (tests/mas/test_vllm_backend.py)")
-def test_without_vllm_both_commands_say_how_to_install_it(tmp_path):
-    # the two commands run side by side (each is a fresh interpreter)
-    ev = subprocess.Popen([sys.executable, "-m", "admm_dist.evaluate", "--task", "chain_arith", "--n", "2",
-                           "--model_name", str(standin.DEFAULT_DIR), "--generation_backend", "vllm",
-                           "--max_new_tokens", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        tr = subprocess.run([sys.executable, "-m", "admm_dist.train", "task=chain_arith", "anchor_split=train",
-                             f"model_name={standin.DEFAULT_DIR}", "device=cpu", "anchors=2", "group=2",
-                             "max_new_tokens=4", "lora_layers_last=1", "lora_rank=4", "k_outer=1",
-                             "local_steps=1", "empty_nodes=prox", "generation_backend=vllm", f"out={tmp_path}/run",
-                             f"report_dir={tmp_path}/rep"], capture_output=True, text=True, timeout=300)
-        _, ev_err = ev.communicate(timeout=120)
-    finally:
-        if ev.poll() is None:
-            ev.kill()
-            ev.wait(timeout=30)
-    assert ev.returncode == 2 and len(ev_err.strip().splitlines()) == 1
+def test_without_vllm_both_commands_say_how_to_install_it(tmp_path, capsys):
+    """Each command's own main in this process (the interpreter start-up is no part of it)."""
+    from admm_dist.cli import evaluate, train
+
+    rc = evaluate.main(["--task", "chain_arith", "--n", "2", "--model_name", str(standin.DEFAULT_DIR),
+                        "--generation_backend", "vllm", "--max_new_tokens", "4"])
+    ev_err = capsys.readouterr().err
+    assert rc == 2 and len(ev_err.strip().splitlines()) == 1, ev_err
     assert "bash launch/vllm_env.sh" in ev_err
-    assert tr.returncode == 2, tr.stderr[-2000:]   # a VLLMBackendError is a UserError: exit code 2
-    err = [line for line in tr.stderr.splitlines() if line.strip()]
-    assert len(err) == 1 and "generation_backend=vllm needs vLLM" in err[0]
+    rc = train.main(["task=chain_arith", "anchor_split=train", f"model_name={standin.DEFAULT_DIR}", "device=cpu",
+                     "anchors=2", "group=2", "max_new_tokens=4", "lora_layers_last=1", "lora_rank=4", "k_outer=1",
+                     "local_steps=1", "empty_nodes=prox", "generation_backend=vllm", f"out={tmp_path}/run",
+                     f"report_dir={tmp_path}/rep"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2, err   # a VLLMBackendError is a UserError: exit code 2
+    assert len(err) == 1 and "generation_backend=vllm needs vLLM" in err[0], err
 
 
 def test_vllm_backend_errors_are_user_errors():

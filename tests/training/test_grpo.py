@@ -12,32 +12,21 @@ from admm_dist.bench.launcher import launch_cpu
 from admm_dist.core.errors import UserError
 from admm_dist.data import derive as dv
 from admm_dist.data.fitset import Example, FitSet, FitSetError
-from admm_dist.demo import standin
 from admm_dist.model import batches as bt
 from admm_dist.model import objectives as obj
 from admm_dist.training.checkpoint import CheckpointError
-from admm_dist.training.config import TrainConfig
 from admm_dist.training.trainer import Trainer
 
 from conftest import REPO, train_local
+from trainer_runs import _train_worker, standin_cfg
 
 ON_POLICY = {"sampling_structure": "on_policy"}
 
 
 def _cfg(tmp, **kw):
-    base = dict(task="chain_arith", anchor_split="train", model_name=str(standin.DEFAULT_DIR), device="cpu",
-                n_agents=4, anchors=4, group=4, credit="per_role", fit_mode="grpo", recollect_every=1,
-                max_new_tokens=16, gen_batch_size=256, gen_chunk=2, lora_rank=4, lora_alpha=8.0,
-                lora_layers_last=2, k_outer=3, local_steps=2, batch_size=4, eta=0.003, rho=0.1, grad_clip=1.0,
-                kl_beta=0.05, empty_nodes="prox", out=str(tmp / "run"), report_dir=str(tmp / "rep"), quiet=True,
-                timeout_s=120)
-    base.update(kw)
-    return TrainConfig(**base)
-
-
-def _worker(ctx, cfg):
-    Trainer(cfg, ctx).train()
-    return True
+    """The stand-in's on-policy run by GRPO: 4 queries a collection, one every round, 3 rounds."""
+    return standin_cfg(tmp, **dict(dict(anchors=4, fit_mode="grpo", recollect_every=1, gen_chunk=2, k_outer=3,
+                                        kl_beta=0.05), **kw))
 
 
 def _last(tmp):
@@ -143,7 +132,7 @@ def test_the_sampling_policy_is_the_state_each_collection_ran_under(clean):
 @pytest.mark.parametrize("world", [4, pytest.param(2, marks=pytest.mark.slow)])   # 2: two nodes per rank
 def test_ranks_end_with_the_one_process_runs_bits(clean, tmp_path, world):
     tmp, rep, _ = clean
-    launch_cpu(_worker, world, _cfg(tmp_path), timeout_s=300)
+    launch_cpu(_train_worker, world, _cfg(tmp_path), timeout_s=300)
     assert torch.equal(_last(tmp_path), _last(tmp))
     with open(tmp_path / "rep" / "run-train.json") as fh:   # the same groups, so the same advantages
         assert [c["reward_groups"] for c in json.load(fh)["collections"]] == \
@@ -154,7 +143,7 @@ def test_ranks_end_with_the_one_process_runs_bits(clean, tmp_path, world):
 def test_two_ranks_per_seat_in_micro_batches_end_with_the_one_process_runs_bits(tmp_path):
     kw = dict(micro_batches=2, k_outer=2)
     train_local(_cfg(tmp_path / "one", **kw))
-    launch_cpu(_worker, 8, _cfg(tmp_path / "eight", **kw), timeout_s=600)
+    launch_cpu(_train_worker, 8, _cfg(tmp_path / "eight", **kw), timeout_s=600)
     assert torch.equal(_last(tmp_path / "eight"), _last(tmp_path / "one"))
 
 

@@ -4,8 +4,6 @@ storage from birth to free), per category and at its peak: in one process, and o
 ranks with two ranks per seat and the backbone sharded over them. The command refuses what the
 trainer refuses, in one line, and a job that does not fit gets a change that does, rehearsed."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -73,11 +71,6 @@ def test_a_seat_groups_leader_and_follower_hold_what_their_rehearsals_say_with_t
         assert plan.sent["fsdp_gathers"] > 0 and (plan.sent["consensus"] > 0) == (rank == 0)
 
 
-def _plan(*args):
-    return subprocess.run([sys.executable, "-m", "admm_dist.plan", *args], capture_output=True, text=True,
-                          timeout=300, cwd=str(REPO))
-
-
 @pytest.mark.parametrize("args,says", [
     (["--nproc_per_node", "6", "micro_batches=2"], "world size 6"),
     (["--nproc_per_node", "8", "micro_batches=3", "batch_size=6"], "micro_batches=3 with 2 ranks per seat"),
@@ -93,13 +86,14 @@ def test_a_job_the_trainer_would_refuse_is_refused_in_one_line(args, says, capsy
     assert len(lines) == 1 and lines[0].startswith("admm_dist.plan: error: ") and says in lines[0], err
 
 
-def test_a_job_that_does_not_fit_is_told_a_change_that_does_rehearsed(tmp_path):
+def test_a_job_that_does_not_fit_is_told_a_change_that_does_rehearsed(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    r = _plan(*TINY, "max_target_tokens=64", "--nproc_per_node", "4", "--device_memory", "6MiB",
-              "--json", str(out))
-    assert r.returncode == 3, r.stdout + r.stderr
+    code = plan_command.main([*TINY, "max_target_tokens=64", "--nproc_per_node", "4", "--device_memory", "6MiB",
+                              "--json", str(out)])     # the command's own main, in this process
+    said = capsys.readouterr().out
+    assert code == 3, said
     verdict = json.loads(out.read_text())
     assert not verdict["fits"] and max(p["peak"] for p in verdict["plans"]) > 0.9 * 6 * 2 ** 20
     fix = verdict["fix"]
-    assert fix is not None and fix["peak"] <= 0.9 * 6 * 2 ** 20, r.stdout
-    assert f"fix: {fix['change']}" in r.stdout and "torchrun --nnodes" in r.stdout
+    assert fix is not None and fix["peak"] <= 0.9 * 6 * 2 ** 20, said
+    assert f"fix: {fix['change']}" in said and "torchrun --nnodes" in said

@@ -12,10 +12,10 @@ from admm_dist.data.fitset import load_fitset, save_fitset
 from admm_dist.bench.launcher import launch_cpu
 import faults
 from admm_dist.demo import standin
-from admm_dist.training.config import TrainConfig
 from admm_dist.training.trainer import Trainer
 
 from conftest import cli_rank, train_local
+from trainer_runs import _train_worker, standin_cfg
 
 
 # Rollouts in chunks of 2 queries: on several ranks each rank rolls out its own chunks (chunk c on
@@ -24,20 +24,7 @@ from conftest import cli_rank, train_local
 CHUNKS = dict(gen_chunk=2)
 
 
-def _cfg(tmp, **kw):
-    base = dict(task="chain_arith", anchor_split="train", model_name=str(standin.DEFAULT_DIR), device="cpu",
-                n_agents=4, anchors=6, group=4, credit="per_role", fit_mode="dpo", max_new_tokens=16,
-                gen_batch_size=256, gen_chunk=16, lora_rank=4, lora_alpha=8.0, lora_layers_last=2,
-                k_outer=2, local_steps=2, batch_size=4, eta=0.003, rho=0.1, grad_clip=1.0,
-                empty_nodes="prox", out=str(tmp / "run"), report_dir=str(tmp / "rep"), quiet=True,
-                timeout_s=120)
-    base.update(kw)
-    return TrainConfig(**base)
-
-
-def _worker(ctx, cfg):
-    Trainer(cfg, ctx).train()
-    return True
+_cfg = standin_cfg
 
 
 def test_recollection_takes_fresh_queries_and_the_cache_is_keyed(tmp_path):
@@ -71,7 +58,7 @@ def test_recollection_takes_fresh_queries_and_the_cache_is_keyed(tmp_path):
 def test_gloo_ranks_collect_and_train_like_one_process(tmp_path, world):
     local = _cfg(tmp_path / "local")            # one chunk: the ranks' chunks give its fit set
     dist = _cfg(tmp_path / "dist", **CHUNKS)
-    launch_cpu(_worker, world, dist, timeout_s=300)
+    launch_cpu(_train_worker, world, dist, timeout_s=300)
     rep = train_local(local)
     zd = load_file(str(tmp_path / "dist" / "run-last.safetensors"))
     zl = load_file(str(tmp_path / "local" / "run-last.safetensors"))
@@ -275,7 +262,7 @@ def test_two_ranks_per_seat_collect_their_own_chunks_and_train_like_one_process(
     sets are the one process's, and training with micro_batches 2 ends where it does."""
     kw = dict(micro_batches=2, recollect_every=1, **CHUNKS)
     local, dist = _cfg(tmp_path / "local", **kw), _cfg(tmp_path / "dist", **kw)
-    launch_cpu(_worker, 8, dist, timeout_s=600)
+    launch_cpu(_train_worker, 8, dist, timeout_s=600)
     rep = train_local(local)
     with open(tmp_path / "dist" / "rep" / "run-train.json") as fh:
         drep = json.load(fh)
