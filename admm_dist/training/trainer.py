@@ -256,7 +256,11 @@ class Trainer:
             sampled = self.sampled_under.get(node, self.init_vec)   # None: the bare backbone's
             self.reference(enc, sampled if cfg.kl_ref == "collect" else None)
             if self.ocfg.needs_sampling:
-                self.reference(enc, sampled, sampling=True)
+                if cfg.kl_ref == "collect":   # the reference is the sampling policy: one forward serves both
+                    for e in enc:
+                        e.sample_logps = e.ref_logps
+                else:
+                    self.reference(enc, sampled, sampling=True)
                 self.state[node].sampling = sampling_digest(enc)
             self.state[node].encoded = enc
             self.state[node].sampler = RoleBalancedSampler(enc, cfg.batch_size,
