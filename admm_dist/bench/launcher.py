@@ -17,7 +17,8 @@ environment, working directory and ``sys.path`` are sent along with ``fn``'s mod
 and set before ``fn`` is imported by that name (the launcher's own variables, RANK and the
 rest, stay the launcher's), and its
 stdout and stderr write where the caller's do now (reopened through ``/proc/<caller>/fd``). A function
-of ``__main__`` (a script's) is spawned instead, which the fork server cannot import.
+of a module run by ``python -m`` (``__main__``) is found there by the module's own name; one of a
+script (``python file.py``) is spawned instead, which the fork server cannot import.
 """
 from __future__ import annotations
 
@@ -42,9 +43,19 @@ _LAUNCHER_VARS = frozenset({
     "CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"})
 
 
+def _module_of(fn: Callable[..., Any]) -> str | None:
+    """The name the fork server imports ``fn``'s module by: a ``python -m`` module's own name for
+    ``__main__``; None for a script's function (no name to import it by)."""
+    module = getattr(fn, "__module__", "__main__")
+    if module != "__main__":
+        return module
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec.name if spec is not None else None
+
+
 def _caller_state(fn: Callable[..., Any]) -> Dict[str, Any]:
     return {"env": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path), "pid": os.getpid(),
-            "fn": (fn.__module__, fn.__qualname__)}
+            "fn": (_module_of(fn), fn.__qualname__)}
 
 
 def _become_caller(state: Mapping[str, Any]) -> Callable[..., Any]:
@@ -82,7 +93,7 @@ def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, setup: bool,
 
 
 def _start_method(fn: Callable[..., Any]) -> str:
-    if getattr(fn, "__module__", "__main__") == "__main__":
+    if _module_of(fn) is None:
         return "spawn"
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))     # takes effect when the server first starts

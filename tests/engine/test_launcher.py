@@ -4,11 +4,13 @@ variables (RANK, WORLD_SIZE, ...) the launcher's. A worker's group is whole when
 starts: a rank that leaves at once cannot break a slower peer's set-up."""
 import contextlib
 import datetime
+import importlib.util
 import os
 import socket
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch.distributed as dist
@@ -45,11 +47,19 @@ def test_workers_see_the_callers_state_at_launch_time(tmp_path, monkeypatch, cap
     assert "worker 0 says hello" in err and "worker 1 says hello" in err
 
 
-def test_a_scripts_function_is_spawned():
-    def script_fn(ctx):
+def test_a_scripts_function_is_spawned_and_a_python_m_modules_is_forked_by_its_name(monkeypatch):
+    def main_fn(ctx):
         return None
-    script_fn.__module__ = "__main__"
-    assert launcher._start_method(script_fn) == "spawn"
+    main_fn.__module__ = "__main__"
+    script = types.ModuleType("__main__")          # python file.py: no name to import it by
+    script.__spec__ = None
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    assert launcher._start_method(main_fn) == "spawn"
+    module = types.ModuleType("__main__")          # python -m admm_dist.bench.comm
+    module.__spec__ = importlib.util.find_spec("admm_dist.bench.comm")
+    monkeypatch.setitem(sys.modules, "__main__", module)
+    assert launcher._start_method(main_fn) == "forkserver"
+    assert launcher._caller_state(main_fn)["fn"] == ("admm_dist.bench.comm", main_fn.__qualname__)
 
 
 @contextlib.contextmanager
