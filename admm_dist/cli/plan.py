@@ -22,21 +22,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 PROG = "admm_dist.plan"
-
-
-def _unit(plans: Sequence[dict]) -> Tuple[str, int]:
-    """GiB, or MiB for a job whose every rank holds less than 1 GiB."""
-    return ("GiB", 1 << 30) if max(p["peak"] for p in plans) >= 1 << 30 else ("MiB", 1 << 20)
 
 
 def table(plans: Sequence[dict], device_memory: int) -> str:
     from admm_dist.training.memory_plan import HEADROOM
     from admm_dist.training.rehearsal import CATEGORIES
 
-    unit, size = _unit(plans)
+    from admm_dist.core.text import size_unit
+
+    unit, size = size_unit(max(p["peak"] for p in plans), smallest="MiB")
     shown = lambda n: f"{n / size:.2f}"  # noqa: E731
     head = [unit] + [f"rank {p['rank']} ({p['kind']})" for p in plans]
     rows = [[c] + [shown(p["memory"][c]) for p in plans] for c in CATEGORIES]

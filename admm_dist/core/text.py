@@ -1,6 +1,6 @@
 """Text conventions shared by every layer: the reasoning block, choice letters, integers, and
 docstrings turned into plain text for a command's ``--help`` (:func:`plain`), and memory sizes
-such as ``80GiB`` (:func:`parse_size`).
+such as ``80GiB`` read (:func:`parse_size`) and shown (:func:`size_unit`, :func:`size_text`).
 
 One definition each. The *visible* part of a message is the text after its last ``</think>``
 (the rule of Qwen3's chat template, which drops everything up to the last closing tag when a
@@ -48,3 +48,21 @@ def parse_size(text: str) -> int:
     if not m or float(m.group(1)) <= 0:
         raise ValueError(f"{text!r}: give a size such as 80GiB, 40GB or 24G")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+_BINARY = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def size_unit(n: float, smallest: str = "B") -> "tuple[str, int]":
+    """The unit that shows ``n`` bytes (or a column whose largest is ``n``) as a number below 1024,
+    and its size in bytes: B to TiB, never below ``smallest``."""
+    power = _BINARY.index(smallest)
+    while n >= 1024 ** (power + 1) and power < len(_BINARY) - 1:
+        power += 1
+    return _BINARY[power], 1024 ** power
+
+
+def size_text(n: int) -> str:
+    """``n`` bytes as ``1.50 GiB``, or in MiB below 1 GiB (a device's memory, a rank's peak)."""
+    unit, scale = size_unit(n, smallest="MiB")
+    return f"{n / scale:.2f} {unit}"

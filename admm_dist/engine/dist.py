@@ -56,12 +56,18 @@ def check_device(requested: object) -> str:
                           "(e.g. device=cuda:0)")
 
 
+def device_type(requested: str) -> str:
+    """The type of device a job runs on: ``auto`` is CUDA where present, else CPU."""
+    requested = check_device(requested)
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested.split(":")[0]
+
+
 def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     """``auto`` picks CUDA when present; a CUDA device is bound from LOCAL_RANK."""
     requested = check_device(requested)
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(requested)
+    dev = torch.device(device_type(requested) if requested == "auto" else requested)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise DistConfigError(f"device {requested!r} requested but CUDA is not available: "

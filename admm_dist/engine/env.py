@@ -1,5 +1,5 @@
 """What torchrun tells a worker about its place in the job: the one reader of ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and torchelastic's variables.
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and torchelastic's variables.
 
 :func:`read_env` turns the environment into a :class:`DistEnv`; a process started without
 torchrun is a world of size 1. The rest of the package receives a :class:`DistEnv` (or a
@@ -25,6 +25,7 @@ class DistEnv:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    local_world_size: Optional[int] = None   # ranks on this host (torchrun's nproc_per_node)
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
     agent_store: bool = False       # torchrun's agent hosts the TCPStore
@@ -39,6 +40,9 @@ class DistEnv:
                 "launch with torchrun, which sets both consistently")
         if self.local_rank < 0:
             raise DistConfigError(f"LOCAL_RANK={self.local_rank}: it must be >= 0")
+        if self.local_world_size is not None and not 1 <= self.local_world_size <= self.world_size:
+            raise DistConfigError(f"LOCAL_WORLD_SIZE={self.local_world_size} is outside [1, WORLD_SIZE="
+                                  f"{self.world_size}]: launch with torchrun, which sets both consistently")
         if self.world_size > 1 and (not self.master_addr or not self.master_port):
             raise DistConfigError(
                 "WORLD_SIZE > 1 but MASTER_ADDR/MASTER_PORT are not set: "
@@ -47,6 +51,11 @@ class DistEnv:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def per_node(self) -> int:
+        """Ranks on this host: LOCAL_WORLD_SIZE where torchrun set it, else the whole world."""
+        return self.local_world_size or self.world_size
 
 
 def _int(env: Mapping[str, str], key: str, default: int) -> int:
@@ -68,6 +77,7 @@ def read_env(env: Optional[Mapping[str, str]] = None) -> DistEnv:
         rank=_int(env, "RANK", 0),
         world_size=world,
         local_rank=_int(env, "LOCAL_RANK", 0),
+        local_world_size=_int(env, "LOCAL_WORLD_SIZE", 0) or None,
         master_addr=env.get("MASTER_ADDR") or None,
         master_port=int(port) if port else None,
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",

@@ -24,6 +24,7 @@ from matplotlib.ticker import MaxNLocator
 
 from admm_dist.core.errors import UserError
 from admm_dist.core.io import atomic_write_bytes
+from admm_dist.core.text import size_unit
 from admm_dist.plots.series import (
     BASE_ARM,
     ArmBars,
@@ -39,7 +40,6 @@ from admm_dist.plots.series import (
 DPI = 110
 PANEL = (5.0, 4.0)               # inches, one panel; panels are side by side
 MARKERS_UP_TO = 40               # rounds: fewer get a marker on every point
-BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 LOG_FLOOR = (1e-3, 1.0)          # the y range of a log panel with nothing positive to show
 
 
@@ -76,10 +76,8 @@ def positive(values: Sequence[float]) -> list[float]:
 
 def byte_unit(largest: float) -> tuple[float, str]:
     """(divisor, unit name) that shows ``largest`` bytes as a number below 1024."""
-    power = 0
-    while largest >= 1024 ** (power + 1) and power < len(BYTE_UNITS) - 1:
-        power += 1
-    return 1024.0 ** power, BYTE_UNITS[power]
+    unit, scale = size_unit(largest)
+    return float(scale), unit
 
 
 def per_round(table: PerNode, reduce: Callable[[list[float]], float]) -> list[float]:

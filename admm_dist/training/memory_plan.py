@@ -13,13 +13,12 @@ naming the change that fits (``plan_memory=false`` turns it off). See docs/place
 from __future__ import annotations
 
 import concurrent.futures
-import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from admm_dist.core import config_file
 from admm_dist.core.errors import UserError
-from admm_dist.core.text import parse_size
-from admm_dist.engine.dist import check_device
+from admm_dist.core.text import parse_size, size_text
+from admm_dist.engine.dist import device_type
 from admm_dist.engine.env import DistEnv
 from admm_dist.engine.placement import Placement
 from admm_dist.engine.seat_group import check_micro_batches
@@ -101,11 +100,6 @@ def changes(argv: List[str], nnodes: int, per_node: int, resident_fits: bool
     return out
 
 
-def gib(n: int) -> str:
-    """Bytes as GiB, or MiB below 1 GiB."""
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.2f} MiB"
-
-
 def find_fix(argv: List[str], nnodes: int, per_node: int, device_memory: int, plans: Sequence[dict],
              pool: Optional[concurrent.futures.Executor] = None, device: str = "cuda",
              log: Log = lambda line: None) -> Optional[Dict[str, object]]:
@@ -120,7 +114,7 @@ def find_fix(argv: List[str], nnodes: int, per_node: int, device_memory: int, pl
             log(f"  refused: {str(e).splitlines()[0][:200]}")
             continue
         peak = max(q["peak"] for q in tried)
-        log(f"  peak {gib(peak)}: {'fits' if fits(tried, device_memory) else 'does not fit'}")
+        log(f"  peak {size_text(peak)}: {'fits' if fits(tried, device_memory) else 'does not fit'}")
         if fits(tried, device_memory):
             launch = f"torchrun --nnodes {n} --nproc_per_node {p} -m admm_dist.train " + " ".join(new)
             return {"change": what, "argv": new, "nnodes": n, "nproc_per_node": p, "peak": peak,
@@ -143,12 +137,10 @@ def planned_device(cfg: TrainConfig, local_rank: int) -> Tuple[str, Optional[int
     (the device is refused after the plan, where the process group is set up)."""
     import torch
 
-    kind = check_device(cfg.device)
-    cuda = torch.cuda.is_available()
-    kind = ("cuda" if cuda else "cpu") if kind == "auto" else kind.split(":")[0]
+    kind = device_type(cfg.device)
     if cfg.device_memory is not None:
         return kind, parse_size(cfg.device_memory)
-    if kind == "cuda" and cuda:
+    if kind == "cuda" and torch.cuda.is_available():
         index = int(cfg.device.split(":")[1]) if ":" in cfg.device else local_rank
         if index < torch.cuda.device_count():
             return kind, torch.cuda.get_device_properties(index).total_memory
@@ -173,7 +165,7 @@ def check_before_loading(cfg: TrainConfig, argv: List[str], env: DistEnv, log: L
         AutoConfig.from_pretrained(cfg.model_name)
     except Exception:   # no backbone there to plan for: the loader says so, in its own words
         return
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or env.world_size)
+    per_node = env.per_node
     if env.world_size % per_node:
         per_node = env.world_size
     try:
@@ -188,10 +180,10 @@ def check_before_loading(cfg: TrainConfig, argv: List[str], env: DistEnv, log: L
                 "(plan_memory=false skips the attempt)")
         return
     # the same words on every rank of a kind, so that the job says it once
-    where = f"its {plan['kind']} ranks need {gib(plan['peak'])} of {gib(budget)} x {HEADROOM:.0%}"
+    where = f"its {plan['kind']} ranks need {size_text(plan['peak'])} of {size_text(budget)} x {HEADROOM:.0%}"
     if fits([plan], budget):
         if env.rank == 0:
-            log(f"memory plan: rank 0 ({plan['kind']}) needs {gib(plan['peak'])} of {gib(budget)} x "
+            log(f"memory plan: rank 0 ({plan['kind']}) needs {size_text(plan['peak'])} of {size_text(budget)} x "
                 f"{HEADROOM:.0%}, rehearsed in {plan['seconds']:.1f}s (plan_memory=false skips it)")
         return
     pool = workers()
@@ -199,7 +191,7 @@ def check_before_loading(cfg: TrainConfig, argv: List[str], env: DistEnv, log: L
         fix = find_fix(argv, env.world_size // per_node, per_node, budget, [plan], pool, device)
     finally:
         pool.shutdown(cancel_futures=True)
-    change = (f"{fix['change']} fits ({gib(fix['peak'])}, rehearsed): {fix['launch']}" if fix else
+    change = (f"{fix['change']} fits ({size_text(fix['peak'])}, rehearsed): {fix['launch']}" if fix else
               "no change tried fits (use devices with more memory or a smaller backbone)")
     raise UserError(f"this job will not fit its devices: {where}; {change}; python -m admm_dist.plan "
                     "shows the plan, plan_memory=false skips this check")

@@ -2,14 +2,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from admm_dist.engine.dist import backend_for, distributed, resolve_device
+from admm_dist.engine.dist import backend_for, device_type, distributed, resolve_device
 from admm_dist.engine.env import DistConfigError, read_env
 from admm_dist.bench.launcher import launch_cpu
 
 
 def test_without_torchrun_the_world_has_size_one():
     env = read_env({})
-    assert (env.rank, env.world_size, env.local_rank, env.is_distributed) == (0, 1, 0, False)
+    assert (env.rank, env.world_size, env.local_rank, env.is_distributed, env.per_node) == (0, 1, 0, False, 1)
     with distributed("cpu", env=env) as ctx:
         assert ctx.backend is None and ctx.world_size == 1 and not dist.is_initialized()
 
@@ -17,8 +17,11 @@ def test_without_torchrun_the_world_has_size_one():
 def test_reads_torchrun_variables():
     env = read_env({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
-    assert (env.rank, env.world_size, env.local_rank) == (2, 4, 1)
+    assert (env.rank, env.world_size, env.local_rank, env.per_node) == (2, 4, 1, 4)
     assert env.master_addr == "127.0.0.1" and env.master_port == 29500
+    two_hosts = read_env({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    assert (two_hosts.local_world_size, two_hosts.per_node) == (2, 2)
 
 
 @pytest.mark.parametrize("env,match", [
@@ -26,6 +29,7 @@ def test_reads_torchrun_variables():
     ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR"),
     ({"WORLD_SIZE": "two"}, "not an integer"),
     ({"WORLD_SIZE": "0"}, ">= 1"),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "LOCAL_WORLD_SIZE=3"),
 ])
 def test_inconsistent_environment_is_a_clear_error(env, match):
     with pytest.raises(DistConfigError, match=match):
@@ -37,9 +41,9 @@ def test_backend_is_chosen_from_the_device_in_one_place():
     assert backend_for(torch.device("cuda", 0)) == "nccl"
     with pytest.raises(DistConfigError, match="use cpu or cuda"):
         backend_for(torch.device("meta"))
-    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("cpu").type == "cpu" and device_type("cuda:1") == "cuda"
     if not torch.cuda.is_available():
-        assert resolve_device("auto").type == "cpu"
+        assert resolve_device("auto").type == "cpu" and device_type("auto") == "cpu"
         with pytest.raises(DistConfigError, match="--device cpu"):
             resolve_device("cuda")
 

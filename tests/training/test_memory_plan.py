@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from admm_dist.cli import train
-from admm_dist.core.text import parse_size
+from admm_dist.core.text import parse_size, size_text, size_unit
 
 from conftest import REPO
 
@@ -53,6 +53,9 @@ def test_a_bad_device_memory_is_one_line(capsys, tmp_path):
     with pytest.raises(ValueError, match="give a size such as 80GiB"):
         parse_size("lots")
     assert parse_size("80GiB") == 80 << 30 and parse_size("40GB") == 40 * 10 ** 9 and parse_size("512M") == 512 << 20
+    # and shown back in one rule: GiB, or MiB below 1 GiB (the plan's lines and table)
+    assert size_text(80 << 30) == "80.00 GiB" and size_text(3 << 19) == "1.50 MiB" and size_text(1000) == "0.00 MiB"
+    assert size_unit(1023 << 20, smallest="MiB") == ("MiB", 1 << 20) and size_unit(2048) == ("KiB", 1024)
     code, err = _train(capsys, tmp_path, "device_memory=-3G")
     assert code == 2 and err.strip() == ("admm_dist.train: error: device_memory='-3G': give a size such as 80GiB, "
                                          "40GB or 24G"), err
