@@ -15,10 +15,11 @@ resolved configuration that rank 0 writes next to the outputs.
 Each key is documented where it is defined: :func:`key` makes a dataclass field whose metadata
 holds its one-line help, its choice list and its help group, and :func:`from_component` makes a
 flat key that copies a component's field (default, help and choices), so the two cannot drift.
-A setting that sizes memory or work carries its ceiling there too (``at_most``, a constant of
-:mod:`admm_dist.core.constants`): ``--help`` shows it and :func:`check_ceilings` refuses a value
-above it in one line, before anything is allocated. :func:`format_help` renders the grouped
-``--help`` from that metadata.
+A number's range is said there once too: its floor (``at_least``, or ``above`` for a strict one),
+a strict upper bound (``below``), and for a setting that sizes memory or work its ceiling
+(``at_most``, a constant of :mod:`admm_dist.core.constants`); ``--help`` shows them and
+:func:`check_bounds` refuses a value outside them in one line, before anything is allocated.
+:func:`format_help` renders the grouped ``--help`` from that metadata.
 
 The YAML file is read by :func:`~admm_dist.core.yaml_file.load_yaml` (strict, and under ceilings).
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import textwrap
 import typing
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
@@ -56,24 +58,29 @@ FINGERPRINT_ROLES = ("value", "ignored", "content", "resumable")
 
 
 def key(default: Any, help: str, *, choices: Any = None, group: Optional[str] = None,
-        metavar: Optional[str] = None, at_most: Optional[float] = None, fingerprint: str = "value") -> Any:
+        metavar: Optional[str] = None, at_least: Optional[float] = None, above: Optional[float] = None,
+        below: Optional[float] = None, at_most: Optional[float] = None, fingerprint: str = "value") -> Any:
     """A configuration field with its one-line ``help``, its ``choices`` (a constant list or
-    dict of the owning module; a dict gives its keys), its ``--help`` ``group``, for a setting
-    that sizes memory or work its ceiling ``at_most`` (see :func:`check_ceilings`), and what it is
-    to a run's ``fingerprint`` (:data:`FINGERPRINT_ROLES`)."""
+    dict of the owning module; a dict gives its keys), its ``--help`` ``group``, a number's range
+    (``at_least`` or ``above``, ``below``) and, for a setting that sizes memory or work, its
+    ceiling ``at_most`` (see :func:`check_bounds`), and what it is to a run's ``fingerprint``
+    (:data:`FINGERPRINT_ROLES`)."""
     if not help.strip() or "\n" in help:
         raise TypeError(f"help must be one non-empty line, got {help!r}")
     if fingerprint not in FINGERPRINT_ROLES:
         raise TypeError(f"fingerprint={fingerprint!r}: one of {FINGERPRINT_ROLES}")
+    if at_least is not None and above is not None:
+        raise TypeError("give at_least or above, not both")
     meta = {"help": help, "choices": None if choices is None else tuple(choices), "group": group,
-            "metavar": metavar, "at_most": at_most, "fingerprint": fingerprint}
+            "metavar": metavar, "at_least": at_least, "above": above, "below": below, "at_most": at_most,
+            "fingerprint": fingerprint}
     return dataclasses.field(default=default, metadata=meta)
 
 
 def from_component(component: type, name: str, *, group: Optional[str] = None,
                    at_most: Optional[float] = None) -> Any:
     """A flat field that mirrors field ``name`` of the dataclass ``component``: its default, help,
-    choices, ceiling and fingerprint role are the component's (written once, there); ``group``
+    choices, range, ceiling and fingerprint role are the component's (written once, there); ``group``
     places it in ``--help``; ``at_most`` gives the flat key a ceiling its component does not check."""
     field = _fields(component)[name]
     if not field.metadata.get("help"):
@@ -94,15 +101,41 @@ def _number(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def check_ceilings(obj: Any) -> None:
-    """Refuse, in one line, a field of the dataclass instance ``obj`` above its ceiling (``at_most``).
+def _range(m: Mapping[str, Any]) -> Optional[str]:
+    """A field's range as ``--help`` and the refusal say it (``> 0``, ``>= 1``, ``in [0, 1)``), or None."""
+    low, open_low = (m["above"], True) if m.get("above") is not None else (m.get("at_least"), False)
+    high = m.get("below")
+    if low is not None and high is not None:
+        return f"in {'(' if open_low else '['}{_number(low)}, {_number(high)})"
+    if low is not None:
+        return f"{'>' if open_low else '>='} {_number(low)}"
+    return None if high is None else f"< {_number(high)}"
+
+
+def _within(value: float, m: Mapping[str, Any]) -> bool:
+    return ((m.get("above") is None or value > m["above"])
+            and (m.get("at_least") is None or value >= m["at_least"])
+            and (m.get("below") is None or value < m["below"]))
+
+
+def check_bounds(obj: Any, error: Type[Exception] = ConfigError) -> None:
+    """Refuse, in one line naming the range and the default, a field of the dataclass instance
+    ``obj`` that is not a finite number inside its range (``at_least``/``above``, ``below``), or
+    one above its ceiling (``at_most``), as ``error``. A field that is None (unset) is not checked.
     A flat configuration checks its keys first, so that the line names the key the user gave."""
     for f in dataclasses.fields(obj):
-        limit, value = f.metadata.get("at_most"), getattr(obj, f.name)
-        if limit is not None and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and value > limit:
-            raise ConfigError(f"{f.name}={_number(value)} exceeds the ceiling {_number(limit)}: "
-                              f"use at most {_number(limit)}")
+        m, value = f.metadata, getattr(obj, f.name)
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        rule = _range(m)
+        if rule is not None and not (number and math.isfinite(value) and _within(value, m)):
+            kind = "an integer" if isinstance(f.default, int) or isinstance(value, int) else "a number"
+            raise error(f"{f.name}={value!r}: use {kind} {rule} (default {shown(f.default)})")
+        limit = m.get("at_most")
+        if limit is not None and number and value > limit:
+            raise error(f"{f.name}={_number(value)} exceeds the ceiling {_number(limit)}: "
+                        f"use at most {_number(limit)}")
 
 
 def meta(cls: type, name: str) -> Mapping[str, Any]:
@@ -150,6 +183,8 @@ def format_help(cls: type, groups: Sequence[str], width: int = 100, column: int 
         tail = f"default: {shown(f.default)}"
         if f.metadata.get("at_most") is not None:
             tail = f"at most {_number(f.metadata['at_most'])}; {tail}"
+        if _range(f.metadata):
+            tail = f"{_range(f.metadata)}; {tail}"
         if f.metadata.get("choices"):
             tail = f"choices: {' | '.join(map(str, f.metadata['choices']))}; {tail}"
         lines = [ln for text in (f.metadata["help"], tail) for ln in textwrap.wrap(

@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from admm_dist.core.config_file import key
+from admm_dist.core.config_file import check_bounds, key
 from admm_dist.core.errors import RunError, UserError
 from admm_dist.engine.comm import CONSENSUS, DECENTRALIZED, IN_PROCESS, Communicator
 from admm_dist.engine.seat_group import SeatGroup
@@ -74,25 +74,21 @@ def penalty_scale(comm: Communicator, node: int) -> float:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ADMMConfig:
-    rho: float = key(0.03, "ADMM penalty: how strongly each node is pulled to the consensus (lambda = 1/rho)")
+    rho: float = key(0.03, "ADMM penalty: how strongly each node is pulled to the consensus (lambda = 1/rho)",
+                     at_least=0)
     local_only: bool = key(False,
                            "ADMM-Local ablation: no coupling (no z or u exchange); each node keeps its x_i")
     no_dual: bool = key(False, "ADMM-NoDual ablation: the duals u_i stay 0 (a penalty method)")
     rho_adapt: bool = key(False, "residual balancing (Boyd et al. 2011, 3.4.1): rho grows or shrinks "
                           "when one residual exceeds the other; duals are rescaled")
-    rho_mu: float = key(10.0, "rho_adapt: change rho when one residual is rho_mu times the other (> 1)")
-    rho_tau: float = key(2.0, "rho_adapt: the factor rho is multiplied or divided by (> 1)")
+    rho_mu: float = key(10.0, "rho_adapt: change rho when one residual is rho_mu times the other", above=1)
+    rho_tau: float = key(2.0, "rho_adapt: the factor rho is multiplied or divided by", above=1)
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.rho_mu) and self.rho_mu > 1):
-            raise UserError(f"rho_mu={self.rho_mu}: residual balancing needs a ratio > 1 (10 is usual)")
-        if not (math.isfinite(self.rho_tau) and self.rho_tau > 1):
-            raise UserError(f"rho_tau={self.rho_tau}: rho changes by a factor > 1 (2 is usual)")
+        check_bounds(self)
         if self.rho_adapt and (self.local_only or self.no_dual):
             raise UserError("rho_adapt balances primal and dual residuals of full ADMM: drop it for "
                             "local_only / no_dual")
-        if not math.isfinite(self.rho) or self.rho < 0:
-            raise UserError(f"rho={self.rho}: the ADMM penalty must be a finite number >= 0")
         if self.rho == 0 and not self.local_only:
             raise UserError("rho=0 decouples the nodes: use local_only for that ablation, or rho > 0")
         if self.local_only and self.no_dual:

@@ -1,5 +1,6 @@
 """What torchrun tells a worker about its place in the job: the one reader of ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and torchelastic's variables.
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and
+torchelastic's variables.
 
 :func:`read_env` turns the environment into a :class:`DistEnv`; a process started without
 torchrun is a world of size 1. The rest of the package receives a :class:`DistEnv` (or a

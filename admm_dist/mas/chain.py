@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from admm_dist.core import progress
-from admm_dist.core.config_file import check_ceilings, key
+from admm_dist.core.config_file import check_bounds, key
 from admm_dist.core.constants import MAX_AGENTS, MAX_GEN_BATCH, MAX_TOKENS
 from admm_dist.core.errors import UserError
 from admm_dist.mas import prompts as P
@@ -63,7 +63,7 @@ class Rollout:
 class ChainConfig:
     # no role or prompt limits a chain (seats past the Judger are Agent5, ...): MAX_AGENTS is a ceiling
     n_agents: int = key(4, "seats in the chain (roles Planner, Critic, Refiner, Judger, then Agent5, ...)",
-                        at_most=MAX_AGENTS)
+                        at_least=1, at_most=MAX_AGENTS)
     prompt: str = key("sequential_v2", "prompt layout: sequential (a seat reads the previous message), "
                       "sequential_v2 (every upstream message), hierarchical (seats answer alone, the last "
                       "reads them all); *_v2s: hardened (other agents' messages are quoted as data)",
@@ -72,29 +72,21 @@ class ChainConfig:
     think: bool = key(False, "turn on the chat template's thinking mode (needs an enable_thinking switch)")
     context_tokens: Optional[int] = key(None, "cap on the upstream context a seat reads, in tokens "
                                         "(none or 0: no cap)")
-    max_new_tokens: int = key(4096, "token budget of each generated message", at_most=MAX_TOKENS)
+    max_new_tokens: int = key(4096, "token budget of each generated message", at_least=1, at_most=MAX_TOKENS)
     sink_tokens: Optional[int] = key(None, "the last seat's budget in training rollouts (none: "
-                                     "max_new_tokens; 0: it does not generate)", at_most=MAX_TOKENS)
+                                     "max_new_tokens; 0: it does not generate)", at_least=0,
+                                     at_most=MAX_TOKENS)
     temperature: float = key(0.8, "sampling temperature of on-policy rollouts (> 0)")
     top_p: float = key(0.95, "nucleus sampling: keep the smallest token set of this probability, in (0, 1]")
     batch_size: int = key(64, "rows per generate call (memory only: results do not change)",
-                          at_most=MAX_GEN_BATCH, fingerprint="ignored")
+                          at_least=1, at_most=MAX_GEN_BATCH, fingerprint="ignored")
 
     def __post_init__(self) -> None:
-        check_ceilings(self)
-        if self.n_agents < 1:
-            raise UserError(f"n_agents={self.n_agents}: a chain needs at least one seat")
+        check_bounds(self)
         P.mode_of(self.prompt)
         P.wording(self.words)
         if self.context_tokens is not None and self.context_tokens <= 0:
             self.context_tokens = None
-        if self.max_new_tokens < 1:
-            raise UserError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.sink_tokens is not None and self.sink_tokens < 0:
-            raise UserError(f"sink_tokens={self.sink_tokens} must be >= 0 (0: the last seat does not "
-                            "generate)")
-        if self.batch_size < 1:
-            raise UserError(f"batch_size={self.batch_size} must be >= 1")
 
     def budget(self, seat: int) -> int:
         if seat == self.n_agents - 1 and self.sink_tokens is not None:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from admm_dist import tasks
 from admm_dist.core import progress
-from admm_dist.core.config_file import key
+from admm_dist.core.config_file import check_bounds, key
 from admm_dist.core.constants import PRESCREEN_SALT
 from admm_dist.core.errors import UserError
 from admm_dist.data import queries
@@ -106,7 +106,7 @@ class Collector:
     runner: ChainRunner
     task: str
     seats: Sequence[int]                 # adapted seats: the ones that get examples
-    group: int = key(8, "rollouts per training query (per adapted seat under per_role credit)")
+    group: int = key(8, "rollouts per training query (per adapted seat under per_role credit)", at_least=1)
     credit: str = key("shared", "shared: every message of a chain gets the chain's outcome; per_role: each "
                       "adapted seat resamples its message from one fixed prefix and the chain is finished "
                       "with downstream_seed, so an outcome difference belongs to that seat", choices=CREDITS)
@@ -115,9 +115,9 @@ class Collector:
                       "(log-prob of the gold answer after the chain)", choices=REWARDS)
     seed: int = 42
     downstream_seed: int = key(1234, "per_role: the sampling seed of the seats after the branching one")
-    chunk: int = key(8, "queries per collection work unit; units are spread over the ranks")
+    chunk: int = key(8, "queries per collection work unit; units are spread over the ranks", at_least=1)
     prefix_samples: int = key(1, "per_role: branch from the first of this many prefix chains that answered "
-                              "right (the first chain when none did)")
+                              "right (the first chain when none did)", at_least=1)
     fit_prompt: Optional[str] = None
     rank: int = 0
     world: int = 1
@@ -128,8 +128,7 @@ class Collector:
         if self.reward == "judge":
             raise UserError("reward judge labels stored trajectories: build the fit set with "
                             "admm_dist.cli.build_fitset and judge_fitset, then pass --fitset_cache")
-        if self.prefix_samples < 1:
-            raise UserError(f"prefix_samples={self.prefix_samples}: use 1 (one prefix chain) or more")
+        check_bounds(self)
         if self.prefix_samples > 1 and self.credit != "per_role":
             raise UserError("prefix_samples picks the prefix that per_role credit branches from: "
                             "use it with --credit per_role, or drop it")

@@ -57,7 +57,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from admm_dist.core.config_file import key
+from admm_dist.core.config_file import check_bounds, key
 from admm_dist.core.text import is_int
 from admm_dist.model.fused_lora import install_fused_forward
 from admm_dist.model.sharding import whole
@@ -76,24 +76,20 @@ ADAPTER_NAME = "default"
 class AdapterConfig:
     """How the B-only LoRA adapter is built (docs/design.md section 1)."""
 
-    lora_rank: int = key(16, "LoRA rank r (at most the smallest dimension of the projections it adapts)")
-    lora_alpha: float = key(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) B A")
-    lora_layers_last: int = key(36, "LoRA goes on the last this many decoder layers (at most the backbone's)")
+    lora_rank: int = key(16, "LoRA rank r (at most the smallest dimension of the projections it adapts)",
+                         at_least=1)
+    lora_alpha: float = key(16.0, "LoRA scale numerator: the update is (lora_alpha / lora_rank) B A", above=0)
+    lora_layers_last: int = key(36, "LoRA goes on the last this many decoder layers (at most the backbone's)",
+                                at_least=1)
     lora_targets: str = key("attn_mlp", "projections that get LoRA: attn_qv (q, v), attn_all (q, k, v, o), "
                             "attn_mlp (those and gate, up, down)", choices=LORA_TARGETS)
     lora_basis_seed: int = key(42, "seed of the frozen random basis A (the same on every rank)")
 
     def __post_init__(self) -> None:
-        if not is_int(self.lora_rank) or self.lora_rank < 1:
-            raise AdapterError(f"lora_rank={self.lora_rank!r} is invalid: use an integer >= 1 (e.g. 16)")
-        alpha = self.lora_alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) \
-                or alpha <= 0:
-            raise AdapterError(f"lora_alpha={alpha!r} is invalid: use a positive finite number "
-                               f"(the LoRA scale is lora_alpha / lora_rank; e.g. 16)")
-        if not is_int(self.lora_layers_last) or self.lora_layers_last < 1:
-            raise AdapterError(f"lora_layers_last={self.lora_layers_last!r} is invalid: use an integer "
-                               f">= 1 (LoRA goes on the last lora_layers_last decoder layers)")
+        check_bounds(self, AdapterError)
+        for name in ("lora_rank", "lora_layers_last"):
+            if not is_int(getattr(self, name)):
+                raise AdapterError(f"{name}={getattr(self, name)!r}: use an integer >= 1")
         if self.lora_targets not in LORA_TARGETS:
             raise AdapterError(f"lora_targets={self.lora_targets!r} is unknown: use one of "
                                f"{', '.join(sorted(LORA_TARGETS))}")

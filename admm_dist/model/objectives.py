@@ -58,7 +58,6 @@ zero-argument context-manager factory for the reference.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, ContextManager, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
@@ -66,7 +65,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from admm_dist.core import progress
-from admm_dist.core.config_file import key
+from admm_dist.core.config_file import check_bounds, key
 from admm_dist.core.errors import UserError
 from admm_dist.model.batches import Batch, Encoded, collate
 from admm_dist.model.batches import batches as batch_iter
@@ -96,16 +95,17 @@ class ObjectiveConfig:
                         "grpo (every collected message, weighted by its group advantage under a clipped "
                         "ratio to the policy that sampled it: needs recollect_every=1)",
                         choices=FIT_MODES)
-    dpo_beta: float = key(0.1, "DPO temperature beta (> 0)")
-    kl_beta: float = key(0.1, "weight of the per-token KL to the reference policy (0: no KL term)")
+    dpo_beta: float = key(0.1, "DPO temperature beta", above=0)
+    kl_beta: float = key(0.1, "weight of the per-token KL to the reference policy (0: no KL term)",
+                         at_least=0)
     target_span: str = key("full", "tokens fitted: full (the whole message, <think> block included) or "
                            "visible (only the text after the last </think>)", choices=TARGET_SPANS)
-    max_prompt_tokens: int = key(8192, "a longer prompt is truncated from the left")
-    max_target_tokens: int = key(4096, "a longer target is truncated on the right")
-    clip_eps: float = key(0.2, "grpo: the ratio to the sampling policy is clipped below at 1 - clip_eps "
-                          "(in (0, 1))")
-    clip_eps_high: float = key(0.2, "grpo: ... and above at 1 + clip_eps_high (> 0; DAPO's clip-higher "
-                               "raises it, e.g. 0.28)")
+    max_prompt_tokens: int = key(8192, "a longer prompt is truncated from the left", at_least=1)
+    max_target_tokens: int = key(4096, "a longer target is truncated on the right", at_least=1)
+    clip_eps: float = key(0.2, "grpo: the ratio to the sampling policy is clipped below at 1 - clip_eps",
+                          above=0, below=1)
+    clip_eps_high: float = key(0.2, "grpo: ... and above at 1 + clip_eps_high (DAPO's clip-higher raises it, "
+                               "e.g. 0.28)", above=0)
 
     def __post_init__(self) -> None:
         if self.fit_mode not in FIT_MODES:
@@ -114,24 +114,7 @@ class ObjectiveConfig:
         if self.target_span not in TARGET_SPANS:
             raise UserError(f"target_span={self.target_span!r} is unknown: set target_span "
                             f"to one of {', '.join(TARGET_SPANS)}")
-        if not (isinstance(self.dpo_beta, (int, float)) and math.isfinite(self.dpo_beta)
-                and self.dpo_beta > 0):
-            raise UserError(f"dpo_beta={self.dpo_beta!r} must be a number > 0 "
-                            f"(0.1 is the usual choice)")
-        if not (isinstance(self.kl_beta, (int, float)) and math.isfinite(self.kl_beta) and self.kl_beta >= 0):
-            raise UserError(f"kl_beta={self.kl_beta!r} must be a number >= 0 "
-                            f"(0 turns the KL term off)")
-        if not (isinstance(self.clip_eps, (int, float)) and 0 < self.clip_eps < 1):
-            raise UserError(f"clip_eps={self.clip_eps!r} must be in (0, 1): the ratio is clipped to "
-                            f"[1 - clip_eps, 1 + clip_eps_high] (0.2 is the usual choice)")
-        if not (isinstance(self.clip_eps_high, (int, float)) and math.isfinite(self.clip_eps_high)
-                and self.clip_eps_high > 0):
-            raise UserError(f"clip_eps_high={self.clip_eps_high!r} must be a number > 0 "
-                            f"(0.2 is the usual choice, 0.28 DAPO's)")
-        for name in ("max_prompt_tokens", "max_target_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise UserError(f"{name}={v!r} must be an integer >= 1: raise {name}")
+        check_bounds(self)
 
     @property
     def paired(self) -> bool:

@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional
 
 from admm_dist import tasks
 from admm_dist.data.queries import check_n_ops
-from admm_dist.core.config_file import check_ceilings, format_help, from_component, key, keys_by_fingerprint
+from admm_dist.core.config_file import check_bounds, format_help, from_component, key, keys_by_fingerprint
 from admm_dist.core.constants import (DEFAULT_TIMEOUT_S, MAX_BATCH_SIZE, MAX_GOSSIP_STEPS, MAX_KV_CACHE_GIB,
                                       MAX_LOCAL_STEPS, MAX_NODES, MAX_OPS, MAX_QUERIES, MAX_ROUNDS,
                                       MAX_SAMPLES, MAX_TIMEOUT_S, MAX_TOKENS)
@@ -84,7 +84,7 @@ class TrainConfig:
                        "process), auto (the group when torchrun started one)", choices=COMM_BACKENDS,
                        group=SYSTEM, fingerprint="ignored")
     timeout_s: float = key(DEFAULT_TIMEOUT_S, "bound in seconds on every collective and wait", group=SYSTEM,
-                           at_most=MAX_TIMEOUT_S, fingerprint="ignored")
+                           above=0, at_most=MAX_TIMEOUT_S, fingerprint="ignored")
     plan_memory: bool = key(True, "before any weights are read, rehearse this rank's memory (as python -m "
                             "admm_dist.plan does) and refuse a job that will not fit its device, naming a "
                             "change that fits: GPU jobs, and CPU jobs given device_memory", group=SYSTEM,
@@ -106,7 +106,7 @@ class TrainConfig:
     agent_models: Optional[str] = key(None, "run these seats on another backbone (a compromised agent); such "
                                       "a seat carries no adapter", metavar="SEAT=PATH[,SEAT=PATH]",
                                       group=DATA)
-    anchors: int = key(32, "number of training queries", group=DATA, at_most=MAX_QUERIES)
+    anchors: int = key(32, "number of training queries", group=DATA, at_least=1, at_most=MAX_QUERIES)
     group: int = from_component(Collector, "group", group=DATA, at_most=MAX_SAMPLES)
     credit: str = from_component(Collector, "credit", group=DATA)
     reward: str = from_component(Collector, "reward", group=DATA)
@@ -124,9 +124,10 @@ class TrainConfig:
                                "collect again on fresh queries every N rounds, each seat under the adapter "
                                "it deploys now (the consensus z; its own node's state where consensus is "
                                "inexact or under local_only) (0: collect once)", group=DATA,
-                               at_most=MAX_ROUNDS)
+                               at_least=0, at_most=MAX_ROUNDS)
     recollect_anchors: Optional[int] = key(None, "queries per re-collection (default: anchors, as the first "
-                                           "collection)", metavar="N", group=DATA, at_most=MAX_QUERIES)
+                                           "collection)", metavar="N", group=DATA, at_least=1,
+                                           at_most=MAX_QUERIES)
     downstream_seed: int = from_component(Collector, "downstream_seed", group=DATA)
     prefix_samples: int = from_component(Collector, "prefix_samples", group=DATA, at_most=MAX_SAMPLES)
     max_new_tokens: int = from_component(ChainConfig, "max_new_tokens", group=DATA)
@@ -139,11 +140,11 @@ class TrainConfig:
                                   "(a vLLM engine per rank; docs/vllm.md)", choices=GENERATION_BACKENDS,
                                   group=GEN)
     vllm_max_model_len: int = key(4096, "the engine's longest prompt plus reply, in tokens", group=GEN,
-                                  at_most=MAX_TOKENS, fingerprint="ignored")
+                                  at_least=16, at_most=MAX_TOKENS, fingerprint="ignored")
     vllm_kv_cache_gib: float = key(1.0, "CPU: the KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)", group=GEN,
-                                   at_most=MAX_KV_CACHE_GIB, fingerprint="ignored")
-    vllm_gpu_memory_utilization: float = key(0.5, "GPU: the engine's share of GPU memory, in (0, 1); the "
-                                             "trainer holds the rest", group=GEN, fingerprint="ignored")
+                                   above=0, at_most=MAX_KV_CACHE_GIB, fingerprint="ignored")
+    vllm_gpu_memory_utilization: float = key(0.5, "GPU: the engine's share of GPU memory; the trainer holds "
+                                             "the rest", group=GEN, above=0, below=1, fingerprint="ignored")
 
     fitset_cache: Optional[str] = key(None, "the fit set: read from this file if it exists, else collected "
                                       "on-policy and saved there", metavar="PATH", group=DATA,
@@ -151,18 +152,19 @@ class TrainConfig:
     fit_filter: str = key("drop_unclosed_think", "what is dropped before training: none, or messages whose "
                           "<think> block never closed", choices=FIT_FILTERS, group=OBJ)
     dedup_targets: int = key(3, "at most this many examples of a node may share one target text (0: off; "
-                             "grpo keeps every message: a group's repeats are its samples)", group=OBJ)
+                             "grpo keeps every message: a group's repeats are its samples)", group=OBJ,
+                             at_least=0)
     dev_frac: float = key(0.0, "hold out this fraction of each seat's examples to track held-out NLL and "
                           "write <out>-best.safetensors (0: train on all); with recollect_every, of the "
-                          "first collection's, kept for the whole run", group=HELD_OUT)
+                          "first collection's, kept for the whole run", group=HELD_OUT, at_least=0, below=1)
     dev_every: int = key(1, "measure the held-out NLL every N rounds (and after the last)", group=HELD_OUT,
-                         at_most=MAX_ROUNDS, fingerprint="ignored")
+                         at_least=1, at_most=MAX_ROUNDS, fingerprint="ignored")
     partition: str = key("seat", "seat: one node per adapted seat (the paper's setting); anchor: pool the "
                          "examples and split them over nodes by query", choices=PARTITION_MODES, group=ADMM)
     empty_nodes: str = key("error", "a node without examples: error (refuse the run) or prox (its f_i = 0: "
                            "it only follows the consensus)", choices=EMPTY_NODES, group=ADMM)
     n_partitions: int = key(0, "partition anchor: the number of nodes (0: one per adapted seat)", group=ADMM,
-                            at_most=MAX_NODES)
+                            at_least=0, at_most=MAX_NODES)
     pooled: bool = key(False, "the centralized arm: every example on one node", group=ADMM)
     dry_run: bool = key(False, "build the fit sets and stop before any gradient step", group=DATA,
                         fingerprint="ignored")
@@ -196,21 +198,23 @@ class TrainConfig:
     lora_basis_seed: Optional[int] = key(None, "seed of the frozen random basis A, the same on every rank "
                                          "(none: --seed)", group=ADAPTER)
 
-    k_outer: int = key(20, "ADMM rounds T", group=ADMM, at_most=MAX_ROUNDS, fingerprint="ignored")
-    local_steps: int = key(16, "local Adam steps L per x-step", group=ADMM, at_most=MAX_LOCAL_STEPS)
+    k_outer: int = key(20, "ADMM rounds T", group=ADMM, at_least=1, at_most=MAX_ROUNDS, fingerprint="ignored")
+    local_steps: int = key(16, "local Adam steps L per x-step", group=ADMM, at_least=1,
+                           at_most=MAX_LOCAL_STEPS)
     batch_size: int = key(8, "examples per local Adam step (a node with fewer repeats them)", group=ADMM,
-                          at_most=MAX_BATCH_SIZE)
+                          at_least=1, at_most=MAX_BATCH_SIZE)
     shard_backbone: bool = key(False, "shard the frozen backbone over each seat's k ranks with FSDP2 "
                                "(W = k x seats): a rank holds 1/k of it; the numbers are the unsharded run's",
                                group=ADMM, fingerprint="ignored")
     micro_batches: int = key(1, "parts each local step's minibatch is computed in, in a fixed order: the "
                              "ranks of a seat (W = k x seats) share them, so it must be a multiple of k; "
-                             "the numbers depend on it, never on W", group=ADMM, at_most=MAX_BATCH_SIZE)
-    eta: float = key(1e-3, "Adam learning rate (may change on resume=auto)", group=ADMM,
+                             "the numbers depend on it, never on W", group=ADMM, at_least=1,
+                             at_most=MAX_BATCH_SIZE)
+    eta: float = key(1e-3, "Adam learning rate (may change on resume=auto)", group=ADMM, above=0,
                      fingerprint="resumable")
     rho: float = from_component(ADMMConfig, "rho", group=ADMM)
     grad_clip: float = key(0.01, "clip each local step's gradient to this norm (may change on resume=auto)",
-                           group=ADMM, fingerprint="resumable")
+                           group=ADMM, above=0, fingerprint="resumable")
     consensus: str = key("ring", "how the z-step averages: coordinator (one all_reduce), ring (ring "
                          "all-reduce on send/recv), gossip (neighbour mixing on --topology; inexact), "
                          "decentralized (node-based decentralized ADMM on --topology: one neighbour "
@@ -219,7 +223,7 @@ class TrainConfig:
     topology: str = key("ring", "the graph of gossip and decentralized; grid is rows x cols, so a prime node "
                         "count > 3 is refused; chain is a path", choices=TOPOLOGIES, group=ADMM)
     gossip_steps: int = key(1, "gossip mixing steps tau per z-step (consensus gossip only)", group=ADMM,
-                            at_most=MAX_GOSSIP_STEPS)
+                            at_least=1, at_most=MAX_GOSSIP_STEPS)
     compress: str = key("none",
                         "z-step payload: none (fp32), or a format of admm_dist/engine/codec.py (int8, "
                         "fp8 about 0.27x the bytes, int4 0.14x, bf16 0.5x: docs/engine.md) for each "
@@ -236,16 +240,16 @@ class TrainConfig:
     report_dir: str = key("results", "folder of the training report <name>-train.json", metavar="DIR",
                           group=OUT, fingerprint="ignored")
     quiet: bool = key(False, "no progress bars and no per-round lines", group=OUT, fingerprint="ignored")
-    checkpoint_every: int = key(1, "write a checkpoint every N rounds", group=OUT, at_most=MAX_ROUNDS,
-                                fingerprint="ignored")
-    keep_checkpoints: int = key(3, "keep this run's last N checkpoints", group=OUT, at_most=MAX_ROUNDS,
-                                fingerprint="ignored")
+    checkpoint_every: int = key(1, "write a checkpoint every N rounds", group=OUT, at_least=1,
+                                at_most=MAX_ROUNDS, fingerprint="ignored")
+    keep_checkpoints: int = key(3, "keep this run's last N checkpoints", group=OUT, at_least=1,
+                                at_most=MAX_ROUNDS, fingerprint="ignored")
     resume: str = key("never", "never (a fresh run) or auto (continue from the last round every rank "
                       "completed)", choices=RESUME_MODES, group=OUT, fingerprint="ignored")
     overwrite: bool = key(False, "a fresh run may replace the run already in --out", group=OUT,
                           fingerprint="ignored")
     max_delta_w_rel: float = key(10.0, "a result whose ||dW|| / ||W|| is above this diverged and is refused",
-                                 group=OUT, fingerprint="ignored")
+                                 group=OUT, above=0, fingerprint="ignored")
     export_peft: bool = key(False, "also write <out>-last-peft/, a standard PEFT adapter folder", group=OUT,
                             fingerprint="ignored")
     report_to: str = from_component(TrackingConfig, "report_to", group=TRACK)
@@ -255,7 +259,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # every key that sizes memory or work under its ceiling, named as given, before anything is built
-        check_ceilings(self)
+        check_bounds(self)
         if not is_int(self.seed) or not 0 <= self.seed < 2 ** 63:   # before the basis seed it defaults
             raise UserError(f"seed={self.seed!r} is invalid: use an integer in [0, 2**63) (it also seeds the "
                             "LoRA basis unless lora_basis_seed is set)")
@@ -272,22 +276,9 @@ class TrainConfig:
             if choices and value is not None and f.metadata.get("component") not in BUILT \
                     and value not in choices:
                 raise UserError(f"{f.name}={value!r}: choose one of {', '.join(map(str, choices))}")
-        if self.vllm_max_model_len < 16:
-            raise UserError(f"vllm_max_model_len={self.vllm_max_model_len}: give the longest prompt + reply "
-                            "in tokens (e.g. 4096)")
-        if not (math.isfinite(self.vllm_kv_cache_gib) and self.vllm_kv_cache_gib > 0):
-            raise UserError(f"vllm_kv_cache_gib={self.vllm_kv_cache_gib}: give a size in GiB > 0 (e.g. 1)")
-        if not 0 < self.vllm_gpu_memory_utilization < 1:
-            raise UserError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}: give the "
-                            "engine's share of GPU memory in (0, 1), e.g. 0.5")
-        for name in ("anchors", "group", "gen_chunk", "prefix_samples"):
-            if getattr(self, name) < 1:
-                raise UserError(f"{name}={getattr(self, name)}: it must be >= 1")
         if self.prefix_samples > 1 and self.credit != "per_role":
             raise UserError(f"prefix_samples={self.prefix_samples} picks the prefix per_role credit branches "
                             "from: use --credit per_role, or prefix_samples 1")
-        if self.recollect_every < 0:
-            raise UserError(f"recollect_every={self.recollect_every}: use 0 (collect once) or N >= 1 rounds")
         if self.fit_mode == "grpo":   # on-policy by construction (docs/design.md, GRPO)
             if self.recollect_every != 1:
                 raise UserError(f"fit_mode grpo trains on messages sampled under the state each seat "
@@ -304,9 +295,6 @@ class TrainConfig:
         if self.anchor_pool is not None and self.anchor_pool < self.anchors:
             raise UserError(f"anchor_pool={self.anchor_pool} < anchors={self.anchors}: the pool must "
                             "hold at least the queries kept")
-        if self.recollect_anchors is not None and self.recollect_anchors < 1:
-            raise UserError(f"recollect_anchors={self.recollect_anchors}: re-collect on at least one query "
-                            "(or leave it unset: as many as anchors)")
         self.pass_band()
         self.seat_backbones()
         check_mode(self.consensus, self.topology, self.gossip_steps)
@@ -314,10 +302,6 @@ class TrainConfig:
         if self.local_only and self.compress != "none":
             raise UserError(f"compress={self.compress} has no effect under local_only (nothing is "
                             "exchanged): drop compress= or local_only")
-        for name in ("k_outer", "local_steps", "batch_size", "micro_batches", "dev_every", "checkpoint_every",
-                     "keep_checkpoints", "gossip_steps"):
-            if getattr(self, name) < 1:
-                raise UserError(f"{name}={getattr(self, name)}: it must be >= 1")
         if self.micro_batches > self.batch_size:
             raise UserError(f"micro_batches={self.micro_batches} > batch_size={self.batch_size}: a part "
                             "needs at least one example; lower micro_batches or raise batch_size")
@@ -330,19 +314,8 @@ class TrainConfig:
         self._check_out()
         if self.overwrite and self.resume == "auto":
             raise UserError("overwrite=true replaces the run in out=, resume=auto continues it: choose one")
-        for name in ("eta", "grad_clip", "timeout_s", "max_delta_w_rel"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v > 0):
-                raise UserError(f"{name}={v}: it must be a finite number > 0")
-        if not 0 <= self.dev_frac < 1:
-            raise UserError(f"dev_frac={self.dev_frac}: pass a held-out fraction in [0, 1), e.g. "
-                            "dev_frac=0.1 (0 holds out nothing)")
-        if self.dedup_targets < 0:
-            raise UserError(f"dedup_targets={self.dedup_targets}: use 0 (off) or a cap >= 1")
         if self.pooled and self.partition == "anchor":
             raise UserError("pooled puts every example on one node: drop --partition anchor")
-        if self.n_partitions < 0:
-            raise UserError(f"n_partitions={self.n_partitions}: use 0 (one per seat) or >= 1")
 
     def _check_paths(self) -> None:
         """A path key (PATH_KEYS) with a control character or a leading or trailing space is refused."""

@@ -202,8 +202,9 @@ def check_before_loading(cfg: TrainConfig, argv: List[str], env: DistEnv, log: L
     where = f"its {plan['kind']} ranks need {size_text(plan['peak'])} of {size_text(budget)} x {HEADROOM:.0%}"
     if fits([plan], budget):
         if env.rank == 0:
-            log(f"memory plan: rank 0 ({plan['kind']}) needs {size_text(plan['peak'])} of {size_text(budget)} x "
-                f"{HEADROOM:.0%}, rehearsed in {plan['seconds']:.1f}s (plan_memory=false skips it)")
+            log(f"memory plan: rank 0 ({plan['kind']}) needs {size_text(plan['peak'])} of "
+                f"{size_text(budget)} x {HEADROOM:.0%}, rehearsed in {plan['seconds']:.1f}s "
+                "(plan_memory=false skips it)")
         return
     pool = workers()
     try:

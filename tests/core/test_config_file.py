@@ -187,3 +187,35 @@ def test_a_config_file_over_its_size_ceiling_is_refused_unread(tmp_path):
     assert one_line_error("--config", str(path)) == (
         f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes, the ceiling of a config file "
         "(MAX_CONFIG_BYTES): give a YAML file of key: value lines, e.g. --config configs/cpu/admm_ring.yaml")
+
+
+def test_a_numbers_range_is_said_once_at_its_key_and_refused_in_one_line():
+    import dataclasses
+    from typing import Optional
+
+    @dataclasses.dataclass
+    class Part:
+        steps: int = C.key(4, "steps", at_least=1, at_most=10)
+        share: float = C.key(0.5, "share", above=0, below=1)
+        cap: Optional[int] = C.key(None, "cap", at_least=0)
+        free: float = 1.0
+
+        def __post_init__(self):
+            C.check_bounds(self)
+
+    Part(cap=0, free=-1.0)                                   # in range; None and unbounded fields unchecked
+    for kw, said in [(dict(steps=0), "steps=0: use an integer >= 1 (default 4)"),
+                     (dict(steps=True), "steps=True: use an integer >= 1 (default 4)"),
+                     (dict(steps=11), "steps=11 exceeds the ceiling 10: use at most 10"),
+                     (dict(share=1.0), "share=1.0: use a number in (0, 1) (default 0.5)"),
+                     (dict(share=float("nan")), "share=nan: use a number in (0, 1) (default 0.5)"),
+                     (dict(cap=-1), "cap=-1: use an integer >= 0 (default none)")]:
+        with pytest.raises(C.ConfigError) as e:
+            Part(**kw)
+        assert str(e.value) == said
+    # --help shows the range beside the default; a key takes one kind of floor
+    from admm_dist.training.config import GROUPS
+    shown = " ".join(C.format_help(TrainConfig, GROUPS).split())
+    assert "(lambda = 1/rho) >= 0; default: 0.03" in shown and "clip_eps in (0, 1); default: 0.2" in shown
+    with pytest.raises(TypeError, match="at_least or above"):
+        C.key(1, "x", at_least=0, above=0)

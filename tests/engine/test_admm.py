@@ -176,7 +176,7 @@ def test_non_finite_objective_stops_with_the_round_and_node_named():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(rho=-1.0), ">= 0"),
-    (dict(rho=float("nan")), "finite"),
+    (dict(rho=float("nan")), "rho=nan: use a number >= 0"),
     (dict(rho=0.0), "local_only"),
     (dict(local_only=True, no_dual=True), "choose one"),
 ])

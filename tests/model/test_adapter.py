@@ -121,8 +121,10 @@ def test_targets_module_count_and_numel(vocab, targets, last, per_layer):
 @pytest.mark.parametrize("kw,msg", [
     (dict(lora_targets="attn"), "one of attn_all, attn_mlp, attn_qv"),
     (dict(lora_layers_last=0), ">= 1"),
-    (dict(lora_rank=0), "lora_rank=0 is invalid: use an integer >= 1"),
-    (dict(lora_alpha=-1.0), "positive"),
+    (dict(lora_rank=0), "lora_rank=0: use an integer >= 1 \\(default 16\\)"),
+    (dict(lora_rank=2.5), "lora_rank=2.5: use an integer >= 1"),
+    (dict(lora_alpha=-1.0), "lora_alpha=-1.0: use a number > 0"),
+    (dict(lora_alpha=float("nan")), "lora_alpha=nan: use a number > 0"),
 ])
 def test_config_validation(kw, msg):
     with pytest.raises(AdapterError, match=msg):

@@ -114,7 +114,7 @@ def test_config_validation_names_the_fix():
         O.ObjectiveConfig(target_span="hidden")
     with pytest.raises(ValueError, match="dpo_beta"):
         O.ObjectiveConfig(dpo_beta=0.0)
-    with pytest.raises(ValueError, match="raise max_prompt_tokens"):
+    with pytest.raises(ValueError, match="max_prompt_tokens=0: use an integer >= 1"):
         O.ObjectiveConfig(max_prompt_tokens=0)
     with pytest.raises(UserError, match="kl_beta"):     # a one-line user error, exit code 2
         O.ObjectiveConfig(kl_beta=-1.0)

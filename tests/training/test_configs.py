@@ -89,7 +89,7 @@ def test_a_yaml_list_for_report_to_names_the_comma_form(tmp_path):
 @pytest.mark.parametrize("argv,match", [
     (["out="], "name the run"),
     (["out=runs/."], "name the run"),
-    (["dev_frac=1.5"], "e.g. dev_frac=0.1"),
+    (["dev_frac=1.5"], "dev_frac=1.5: use a number in \\[0, 1\\) \\(default 0.0\\)"),
     (["overwrite=true", "resume=auto"], "choose one"),
     (["max_delta_w_rel=0"], "max_delta_w_rel"),
 ])

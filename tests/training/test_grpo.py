@@ -83,8 +83,8 @@ def test_advantages_are_normalised_in_each_seats_group_and_flat_groups_are_count
 @pytest.mark.parametrize("kw,fix", [(dict(recollect_every=0), "set recollect_every=1"),
                                     (dict(recollect_every=2), "set recollect_every=1"),
                                     (dict(group=1), "set group >= 2"),
-                                    (dict(clip_eps=0.0), "clip_eps=0.0 must be in \\(0, 1\\)"),
-                                    (dict(clip_eps_high=-0.1), "clip_eps_high=-0.1 must be a number > 0")])
+                                    (dict(clip_eps=0.0), "clip_eps=0.0: use a number in \\(0, 1\\)"),
+                                    (dict(clip_eps_high=-0.1), "clip_eps_high=-0.1: use a number > 0")])
 def test_a_wrong_grpo_setting_is_refused_in_one_line_naming_the_fix(tmp_path, kw, fix):
     with pytest.raises(UserError, match=fix) as e:
         _cfg(tmp_path, **kw)
