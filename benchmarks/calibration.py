@@ -74,41 +74,54 @@ def _settle() -> None:
         pass
 
 
+class RealRank:
+    """One real rank of a job, built as the trainer builds it (its placement, communicator and
+    mesh; its backbone loaded, whole or sharded, on demand), whose round the rehearsal's own
+    :func:`~admm_dist.training.rehearsal.round_memory` runs and counts."""
+
+    def __init__(self, ctx, argv: Sequence[str]):
+        from admm_dist.core import config_file
+        from admm_dist.engine.placement import Placement
+        from admm_dist.training import pipeline
+        from admm_dist.training.config import TrainConfig
+        from admm_dist.training.trainer import build_communicator
+
+        self.ctx, self.cfg = ctx, config_file.load(TrainConfig, list(argv))
+        placement = Placement(self.cfg.n_nodes(), ctx.world_size)
+        collects = pipeline.needs_collection(self.cfg)
+        self.comm, self.mesh = build_communicator(self.cfg, ctx, placement, collects)
+
+    def load(self):
+        from admm_dist.model.loading import load_model
+
+        return load_model(self.cfg.model_name, self.ctx.device, dtype=self.cfg.dtype,
+                          shard_over=self.mesh.shard if self.cfg.shard_backbone else None)[0]
+
+    def round(self, model, cfg=None):
+        """(memory by category, counted peak, bytes sent by category) of one round on ``model``."""
+        import torch
+
+        from admm_dist.model.fake_run import Counting
+        from admm_dist.training.rehearsal import round_memory
+
+        with Counting() as run:
+            return round_memory(cfg or self.cfg, run, model, self.comm, self.mesh.seat, torch.device("cpu"))
+
+
 def measure_rank(ctx, argv: Sequence[str]) -> Dict[str, Any]:
     """One real gloo rank of the job ``argv``: its counted categories and peak, and its resident
     baseline and peak over the round (bytes)."""
-    import torch
-
-    from admm_dist.core import config_file
-    from admm_dist.engine.placement import Placement
-    from admm_dist.model.fake_run import Counting
-    from admm_dist.model.loading import load_model
-    from admm_dist.training import pipeline
-    from admm_dist.training.config import TrainConfig
-    from admm_dist.training.rehearsal import round_memory
-    from admm_dist.training.trainer import build_communicator
     import peft  # noqa: F401  (imported by the adapter: part of the runtime, not of the model)
 
-    cfg = config_file.load(TrainConfig, list(argv))
-    placement = Placement(cfg.n_nodes(), ctx.world_size)
-    comm, mesh = build_communicator(cfg, ctx, placement, pipeline.needs_collection(cfg))
-
-    def load():
-        return load_model(cfg.model_name, ctx.device, shard_over=mesh.shard if cfg.shard_backbone else None,
-                          dtype=cfg.dtype)[0]
-
+    rank = RealRank(ctx, argv)
     # the runtime's baseline: once a round of 8 + 4 tokens has run (the kernels' code paged in, the
     # threads and their buffers made), its model freed
-    warm = dataclasses.replace(cfg, max_prompt_tokens=8, max_target_tokens=4)
-    with Counting() as run:
-        round_memory(warm, run, load(), comm, mesh.seat, torch.device("cpu"))
+    rank.round(rank.load(), dataclasses.replace(rank.cfg, max_prompt_tokens=8, max_target_tokens=4))
     _settle()
     base = vm_rss("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:     # the peak resident set starts again from here
         fh.write("5")
-    model = load()
-    with Counting() as run:
-        memory, peak, _ = round_memory(cfg, run, model, comm, mesh.seat, torch.device("cpu"))
+    memory, peak, _ = rank.round(rank.load())
     return {"memory": memory, "peak": peak, "rss_base": base, "rss_peak": vm_rss("VmHWM")}
 
 

@@ -6,20 +6,15 @@ trainer refuses, in one line, and a job that does not fit gets a change that doe
 import json
 
 import pytest
-import torch
 
 from admm_dist.bench.launcher import launch_cpu
 from admm_dist.cli import plan as plan_command
 from admm_dist.core import config_file
 from admm_dist.engine.dist import distributed
 from admm_dist.engine.env import read_env
-from admm_dist.engine.placement import Placement
-from admm_dist.model.fake_run import Counting
-from admm_dist.model.loading import load_model
-from admm_dist.training import pipeline
 from admm_dist.training.config import TrainConfig
-from admm_dist.training.rehearsal import CATEGORIES, rehearse, round_memory
-from admm_dist.training.trainer import build_communicator
+from admm_dist.training.rehearsal import CATEGORIES, rehearse
+from benchmarks.calibration import RealRank
 
 from conftest import REPO
 
@@ -31,14 +26,8 @@ SEAT_GROUPS = TINY + ["n_agents=2", "micro_batches=2", "shard_backbone=true"]   
 
 def _measure(ctx, argv):
     """A real rank (the tiny backbone's weights, gloo) counted as the rehearsal counts."""
-    cfg = config_file.load(TrainConfig, argv)
-    placement = Placement(cfg.n_nodes(), ctx.world_size)
-    comm, mesh = build_communicator(cfg, ctx, placement, pipeline.needs_collection(cfg))
-    shard = mesh.shard if cfg.shard_backbone else None
-    model, _ = load_model(cfg.model_name, ctx.device, shard_over=shard, dtype=cfg.dtype)
-    with Counting() as run:
-        memory, peak, sent = round_memory(cfg, run, model, comm, mesh.seat, torch.device("cpu"))
-    return memory, peak, sent
+    rank = RealRank(ctx, argv)
+    return rank.round(rank.load())
 
 
 def _close(plan, measured):
