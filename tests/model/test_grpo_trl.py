@@ -1,6 +1,6 @@
 """GRPO's per-token objective (admm_dist.model.objectives.clipped_surrogate) against TRL's own:
 on fixed sampling-policy and reference log-probs, advantages and masks, the loss and its gradient
-with respect to B equal ``GRPOTrainer._compute_loss`` with ``loss_type="dapo"`` (TRL's default),
+with respect to B equal ``GRPOTrainer.compute_loss`` with ``loss_type="dapo"`` (TRL's default),
 the same beta and clip epsilons, on the same PEFT model (TRL: a test dependency)."""
 import pytest
 import torch
@@ -16,8 +16,8 @@ ROWS, PROMPT, COMPLETION = 6, 5, 7
 BETA, EPS_LOW, EPS_HIGH = 0.04, 0.2, 0.28
 
 
-@pytest.fixture(scope="module")
-def trainer_and_model(tmp_path_factory):
+@pytest.fixture(scope="module", params=[BETA, 0.0], ids=["kl", "no-kl"])
+def trainer_and_model(request, tmp_path_factory):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -29,20 +29,18 @@ def trainer_and_model(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     ad.load_vector(0.05 * torch.randn(ad.flat.shape, generator=g))   # B away from 0: a real gradient
     args = trl.GRPOConfig(output_dir=str(tmp_path_factory.mktemp("trl")), per_device_train_batch_size=ROWS,
-                          num_generations=2, beta=BETA, epsilon=EPS_LOW, epsilon_high=EPS_HIGH,
+                          num_generations=2, beta=request.param, epsilon=EPS_LOW, epsilon_high=EPS_HIGH,
                           loss_type="dapo", report_to=[], use_cpu=True, max_completion_length=COMPLETION,
                           bf16=False)
     trainer = trl.GRPOTrainer(model=ad.model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                               args=args, train_dataset=Dataset.from_dict({"prompt": ["a", "b", "c"]}),
                               processing_class=AutoTokenizer.from_pretrained(path))
-    trainer.current_gradient_accumulation_steps = 1
-    return trainer, ad
+    trainer.current_gradient_accumulation_steps = 1   # as TRL's training loop sets it, one step a batch
+    return trainer, ad, request.param
 
 
-@pytest.mark.parametrize("beta", [BETA, 0.0])
-def test_the_clipped_surrogate_is_trls_dapo_loss_and_gradient(trainer_and_model, beta):
-    trainer, ad = trainer_and_model
-    trainer.beta = beta
+def test_the_clipped_surrogate_is_trls_dapo_loss_and_gradient(trainer_and_model):
+    trainer, ad, beta = trainer_and_model
     model = ad.model.eval()
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
@@ -68,7 +66,7 @@ def test_the_clipped_surrogate_is_trls_dapo_loss_and_gradient(trainer_and_model,
     inputs = {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
               "completion_mask": mask.long(), "advantages": adv, "old_per_token_logps": old,
               "ref_per_token_logps": ref, "num_items_in_batch": mask.sum()}
-    theirs = trainer._compute_loss(model, inputs)
+    theirs = trainer.compute_loss(model, inputs)
     theirs.backward()
     grad_theirs = ad.flat_grad.clone()
 
