@@ -10,20 +10,18 @@ port) and gloo is bound to loopback.
 launch; every collective is bounded by ``timeout_s`` so that a deadlock fails instead of
 hanging.
 
-Workers start from a fork server (:data:`PRELOAD`: torch, transformers and PEFT are imported
-once per calling process, not once per worker), which makes a launch about 2 s cheaper on a
-2-core machine. A forked worker is made to start as a spawned one would: the caller's current
-environment, working directory and ``sys.path`` are sent along with ``fn``'s module and name,
-and set before ``fn`` is imported by that name (the launcher's own variables, RANK and the
-rest, stay the launcher's), and its
-stdout and stderr write where the caller's do now (reopened through ``/proc/<caller>/fd``). A function
-of a module run by ``python -m`` (``__main__``) is found there by the module's own name; one of a
-script (``python file.py``) is spawned instead, which the fork server cannot import.
+Workers start from the process's fork server (:mod:`admm_dist.training.workers`: torch,
+transformers and PEFT are imported once per calling process, not once per worker), which makes a
+launch about 2 s cheaper on a 2-core machine. A forked worker is made to start as a spawned one
+would: the caller's current environment, working directory, ``sys.path``, stdout and stderr are
+sent along with ``fn``'s module and name and adopted before ``fn`` is imported by that name (the
+launcher's own variables, RANK and the rest, stay the launcher's). A function of a module run by
+``python -m`` (``__main__``) is found there by the module's own name; one of a script
+(``python file.py``) is spawned instead, which the fork server cannot import.
 """
 from __future__ import annotations
 
 import importlib
-import multiprocessing
 import os
 import sys
 import uuid
@@ -33,14 +31,17 @@ import torch
 
 from admm_dist.core.constants import DEFAULT_TIMEOUT_S
 from admm_dist.engine.dist import distributed
+from admm_dist.training import workers
 
-# imported once in the fork server; a module that fails to import is skipped there
-PRELOAD = ("torch", "torch.distributed", "transformers", "peft", "admm_dist.training.trainer")
 # what the elastic launcher sets in a worker's environment (the rest is the caller's)
 _LAUNCHER_VARS = frozenset({
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
     "CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"})
+
+
+def _launchers(name: str) -> bool:
+    return name in _LAUNCHER_VARS or name.startswith("TORCHELASTIC_")
 
 
 def _module_of(fn: Callable[..., Any]) -> str | None:
@@ -54,26 +55,13 @@ def _module_of(fn: Callable[..., Any]) -> str | None:
 
 
 def _caller_state(fn: Callable[..., Any]) -> Dict[str, Any]:
-    return {"env": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path), "pid": os.getpid(),
-            "fn": (_module_of(fn), fn.__qualname__)}
+    return {**workers.caller_state(), "fn": (_module_of(fn), fn.__qualname__)}
 
 
 def _become_caller(state: Mapping[str, Any]) -> Callable[..., Any]:
-    """In a forked worker: the caller's environment (but the launcher's own variables), working
-    directory and import path; then ``fn``, imported by its module and name."""
-    mine = {k: v for k, v in os.environ.items() if k in _LAUNCHER_VARS or k.startswith("TORCHELASTIC_")}
-    os.environ.clear()
-    os.environ.update({**state["env"], **mine})
-    os.chdir(state["cwd"])
-    sys.path[:] = state["path"]
-    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
-        try:
-            target = os.open(f"/proc/{state['pid']}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
-        except OSError:          # closed, or not ours to open: keep the fork server's
-            continue
-        stream.flush()
-        os.dup2(target, fd)
-        os.close(target)
+    """In a forked worker: the caller's state (:func:`~admm_dist.training.workers.adopt`), the
+    launcher's own variables kept; then ``fn``, imported by its module and name."""
+    workers.adopt(state, keep=_launchers)
     module, name = state["fn"]
     fn: Any = importlib.import_module(module)
     for part in name.split("."):
@@ -95,8 +83,7 @@ def _worker(fn: Callable[..., Any], timeout_s: float, threads: int, setup: bool,
 def _start_method(fn: Callable[..., Any]) -> str:
     if _module_of(fn) is None:
         return "spawn"
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))     # takes effect when the server first starts
+    workers.context()      # its preload list, if this launch starts the server
     return "forkserver"
 
 

@@ -13,8 +13,6 @@ naming the change that fits (``plan_memory=false`` turns it off). See docs/place
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from admm_dist.core import config_file
@@ -24,6 +22,7 @@ from admm_dist.engine.dist import device_type
 from admm_dist.engine.env import DistEnv
 from admm_dist.engine.placement import Placement
 from admm_dist.engine.seat_group import check_micro_batches
+from admm_dist.training import workers as forkserver
 from admm_dist.training.config import TrainConfig
 
 HEADROOM = 0.9          # the share of a device's memory a plan may fill
@@ -124,29 +123,14 @@ def find_fix(argv: List[str], nnodes: int, per_node: int, device_memory: int, pl
     return None
 
 
-# what the rehearsals' worker processes import once, in multiprocessing's fork server
-PRELOAD = ("torch", "transformers", "admm_dist.training.rehearsal")
-
-
-def _adopt(cwd: str, environ: Dict[str, str], path: List[str]) -> None:
-    """In a worker: the caller's working directory, environment and import path (the fork server
-    keeps those of the moment it started)."""
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(environ)
-    sys.path[:] = path
-
-
 def workers() -> concurrent.futures.Executor:
-    """Two worker processes for the rehearsals of a search, forked from multiprocessing's fork
-    server: a fresh interpreter, so no fake world is inherited, which imports torch and
-    transformers once for both (and for every later search of this process), not once each."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))     # takes effect when the server first starts
-    return concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=ctx, initializer=_adopt,
-                                                  initargs=(os.getcwd(), dict(os.environ), list(sys.path)))
+    """Two worker processes for the rehearsals of a search, forked from this process's fork
+    server (:mod:`admm_dist.training.workers`): a fresh interpreter, so no fake world is
+    inherited, which imports torch and transformers once for both (and for every later search of
+    this process), not once each."""
+    return concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=forkserver.context(),
+                                                  initializer=forkserver.adopt,
+                                                  initargs=(forkserver.caller_state(),))
 
 
 def planned_device(cfg: TrainConfig, local_rank: int) -> Tuple[str, Optional[int]]:

@@ -90,13 +90,12 @@ def test_process_group_is_torn_down_on_failure_and_success():
         assert s["initialized_end"] is False
 
 
-def _as_caller(env, target, *args):
-    """In a process of the fork server: this test's environment (not the one the server started
+def _as_caller(state, target, *args):
+    """In a process of the fork server: this test's state (not the one the server started
     with), then ``target(*args)``."""
-    import os
+    from admm_dist.training import workers
 
-    os.environ.clear()
-    os.environ.update(env)
+    workers.adopt(state)
     target(*args)
 
 
@@ -104,17 +103,13 @@ def _spawned(target, each_args, gets, timeout_s):
     """``gets`` results from fresh processes, one per args tuple of ``each_args``, each
     ``target(*args, out)``; every process is joined (killed when stuck) on the way out; the
     processes' exit codes come with the results. They are forked from the launcher's fork
-    server (torch imported there once, not once a process), with this process's environment."""
-    import multiprocessing as mp
-    import os
+    server (torch imported there once, not once a process), as this process."""
+    from admm_dist.training import workers
 
-    from admm_dist.bench.launcher import PRELOAD
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))     # as the launcher's, if this starts the server
+    ctx = workers.context()
     out = ctx.Queue()
-    env = dict(os.environ)
-    procs = [ctx.Process(target=_as_caller, args=(env, target, *args, out)) for args in each_args]
+    state = workers.caller_state()
+    procs = [ctx.Process(target=_as_caller, args=(state, target, *args, out)) for args in each_args]
     for p in procs:
         p.start()
     try:

@@ -3,6 +3,7 @@ exits 0; ``resume=auto`` then finishes with the same z as a run that was never s
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -85,37 +86,37 @@ def test_sigusr2_checkpoints_every_rank_and_resume_finishes_the_same(assets, tmp
     assert torch.equal(a, b)
 
 
-def test_sigusr2_during_set_up_stops_cleanly_and_the_job_dir_says_so(assets, tmp_path, monkeypatch):
+def test_sigusr2_during_set_up_stops_cleanly_and_the_job_dir_says_so(assets, tmp_path, monkeypatch, capfd):
     """The note is in place from the first line of train.main: a warning that arrives while
-    the ranks load (found by the PIDs they record, never by name) stops the run after set-up."""
+    the ranks load (sent to the first that records its PID, found by that PID, never by name)
+    stops the run after set-up. The ranks are the training command's under torch's elastic
+    agent (what torchrun runs), forked from the launcher's fork server."""
     import json
     job = tmp_path / "job"
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", ADMM_JOB_DIR=str(job))
-    p = subprocess.Popen(train_cmd(_args(assets, tmp_path, resume="auto"), N), env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-    try:
+    monkeypatch.setenv("ADMM_JOB_DIR", str(job))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    sent = []
+
+    def warn_the_first_rank():   # whole PID files only: not a temporary about to be renamed into place
         deadline = time.time() + 120
-        def recorded():   # whole PID files only: not a temporary about to be renamed into place
-            return sorted(f for f in os.listdir(job / "pids") if f.endswith(".pid")) if (job / "pids").is_dir() else []
-        while time.time() < deadline and len(recorded()) < N:
-            time.sleep(0.02)
-        pids = recorded()
-        assert len(pids) == N, pids
-        with open(job / "pids" / pids[-1]) as fh:
-            os.kill(int(json.load(fh)), signal.SIGUSR2)      # one worker of this job only
-        out, _ = p.communicate(timeout=240)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode == 0, out[-2000:]
-    assert "preempted during set-up, before round 1: nothing to resume yet" in out
+        while time.time() < deadline and not sent:
+            pids = sorted(f for f in os.listdir(job / "pids") if f.endswith(".pid")) if (job / "pids").is_dir() else []
+            if pids:
+                with open(job / "pids" / pids[0]) as fh:
+                    sent.append(int(json.load(fh)))
+                os.kill(sent[0], signal.SIGUSR2)      # one worker of this job only
+            time.sleep(0.002)
+    warner = threading.Thread(target=warn_the_first_rank, daemon=True)
+    warner.start()
+    done = launch_cpu(cli_rank, N, _args(assets, tmp_path, resume="auto"), timeout_s=120, setup=False)
+    warner.join(timeout=10)
+    assert sent and done == {r: 0 for r in range(N)}
+    assert "preempted during set-up, before round 1: nothing to resume yet" in capfd.readouterr().out
     status = json.loads((job / "status.json").read_text())
     assert status["state"] == "preempted" and status["round"] == 0
     assert os.listdir(job / "pids") == []                     # every worker removed its PID file
     assert not os.path.exists(tmp_path / "run.ckpt") and not os.path.exists(tmp_path / "run-last.safetensors")
-    # the requeued job (torchrun's agent from the launcher) finishes, and the job dir says so
-    monkeypatch.setenv("ADMM_JOB_DIR", str(job))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # the requeued job finishes, and the job dir says so
     done = launch_cpu(cli_rank, N, _args(assets, tmp_path, resume="auto", k_outer=2), timeout_s=120, setup=False)
     assert done == {r: 0 for r in range(N)}
     assert json.loads((job / "status.json").read_text())["state"] == "finished"
