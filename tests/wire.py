@@ -121,7 +121,8 @@ if __name__ == "__main__":   # launch_in_netns's child: python wire.py JOB OUT
     # the fork server imports what the ranks run (the test's module), not the trainer's libraries
     # (transformers, PEFT), which a rank counting bytes never uses: about 4 s of CPU a launch. It
     # starts here, so the launcher's own preload list comes too late to replace this one.
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", spec["module"]])
+    server = multiprocessing.get_context("forkserver")
+    server.set_forkserver_preload(["torch", "torch.distributed", spec["module"]])
     multiprocessing.forkserver.ensure_running()
     result = launcher.launch_cpu(target, spec["nprocs"], *spec["args"], timeout_s=spec["timeout_s"])
     with open(sys.argv[2], "w") as f:

@@ -119,9 +119,8 @@ def _run(argv: List[str], flag: PreemptionFlag, stop: StopSignals, where: _Where
 
     quiet_libraries()
     if own:
-        # what this process imported lives as long as it does: frozen, the cyclic collector's
-        # automatic full passes scan only what the run makes, not the libraries' ~430,000
-        # objects (0.2-0.3 s of CPU each, at a moment no other rank shares: a straggler)
+        # as a forked worker does (admm_dist/training/workers.py, adopt): the imports are never
+        # garbage, and the collector's full passes over them are pauses no other rank shares
         gc.freeze()
     try:
         cfg = config_file.load(TrainConfig, argv)

@@ -102,7 +102,7 @@ def _as_caller(state, target, *args):
 def _spawned(target, each_args, gets, timeout_s):
     """``gets`` results from fresh processes, one per args tuple of ``each_args``, each
     ``target(*args, out)``; every process is joined (killed when stuck) on the way out; the
-    processes' exit codes come with the results. They are forked from the launcher's fork
+    processes' exit codes come with the results. They are forked from the process's fork
     server (torch imported there once, not once a process), as this process."""
     from admm_dist.training import workers
 

@@ -100,7 +100,8 @@ def test_sigusr2_during_set_up_stops_cleanly_and_the_job_dir_says_so(assets, tmp
     def warn_the_first_rank():   # whole PID files only: not a temporary about to be renamed into place
         deadline = time.time() + 120
         while time.time() < deadline and not sent:
-            pids = sorted(f for f in os.listdir(job / "pids") if f.endswith(".pid")) if (job / "pids").is_dir() else []
+            folder = job / "pids"
+            pids = sorted(f for f in os.listdir(folder) if f.endswith(".pid")) if folder.is_dir() else []
             if pids:
                 with open(job / "pids" / pids[0]) as fh:
                     sent.append(int(json.load(fh)))
@@ -117,8 +118,8 @@ def test_sigusr2_during_set_up_stops_cleanly_and_the_job_dir_says_so(assets, tmp
     assert os.listdir(job / "pids") == []                     # every worker removed its PID file
     assert not os.path.exists(tmp_path / "run.ckpt") and not os.path.exists(tmp_path / "run-last.safetensors")
     # the requeued job finishes, and the job dir says so
-    done = launch_cpu(cli_rank, N, _args(assets, tmp_path, resume="auto", k_outer=2), timeout_s=120, setup=False)
-    assert done == {r: 0 for r in range(N)}
+    requeued = _args(assets, tmp_path, resume="auto", k_outer=2)
+    assert launch_cpu(cli_rank, N, requeued, timeout_s=120, setup=False) == {r: 0 for r in range(N)}
     assert json.loads((job / "status.json").read_text())["state"] == "finished"
 
 
